@@ -1,0 +1,29 @@
+"""Run every benchmark section and print the report (``python -m groundup.bench [section ...]``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from groundup.bench import format_rows
+
+# Each name is a submodule of groundup.bench with a run() -> list[Row].
+SECTIONS = ["matmul"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="groundup bench", description="Print the package's performance figures.")
+    parser.add_argument("sections", nargs="*", help=f"sections to run (default: all of {', '.join(SECTIONS)})")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    for name in args.sections or SECTIONS:
+        module = importlib.import_module(f"groundup.bench.{name}")
+        print(format_rows(f"[{name}]", module.run()), end="\n\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
