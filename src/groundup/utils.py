@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 
-def set_seed(seed: int = 0) -> torch.Generator:
-    """Seed Python's, NumPy's and PyTorch's random number generators, and return a fresh generator.
+def set_seed(seed: int = 0) -> None:
+    """Seed Python's, NumPy's and PyTorch's random number generators.
 
     Every notebook calls this once after its imports, so a re-run prints the same numbers. The returned
     ``torch.Generator`` (seeded with ``seed``) is for code that wants its own stream of random numbers.
@@ -18,7 +18,6 @@ def set_seed(seed: int = 0) -> torch.Generator:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed)
 
 
 def default_device() -> torch.device:

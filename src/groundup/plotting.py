@@ -1,0 +1,37 @@
+"""Figures for the book: matplotlib, labelled (title, axes, units, legend), sized for the book's column.
+
+Every function returns the matplotlib ``Figure`` it drew, so a notebook can adjust or save it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+
+COLUMN = (6.4, 3.6)  # inches: the width of the book's text column
+
+
+def plot_losses(curves: Mapping[str, Sequence[float]], *, steps: Sequence[int] | None = None,
+                title: str = "Loss", ylabel: str = "cross-entropy loss (nats)", xlabel: str = "step",
+                reference: Mapping[str, float] | None = None):
+    """Plot one line per named loss curve (e.g. ``{"train": [...], "validation": [...]}``).
+
+    ``reference`` draws labelled horizontal lines, such as the loss of a uniform guess, ``ln n_V``.
+    """
+    if not curves:
+        raise ValueError("curves must name at least one loss curve")
+    fig, ax = plt.subplots(figsize=COLUMN)
+    for name, values in curves.items():
+        xs = list(steps) if steps is not None else list(range(len(values)))
+        if len(xs) != len(values):
+            raise ValueError(f"curve {name!r} has {len(values)} values but steps has {len(xs)}")
+        ax.plot(xs, list(values), label=name, marker="o" if len(values) < 20 else None)
+    for name, y in (reference or {}).items():
+        ax.axhline(y, linestyle="--", color="grey", linewidth=1)
+        ax.annotate(name, (ax.get_xlim()[0], y), textcoords="offset points", xytext=(4, 4), color="grey")
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
