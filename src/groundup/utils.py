@@ -10,8 +10,8 @@ import torch
 def set_seed(seed: int = 0) -> None:
     """Seed Python's, NumPy's and PyTorch's random number generators.
 
-    Every notebook calls this once after its imports, so a re-run prints the same numbers. The returned
-    ``torch.Generator`` (seeded with ``seed``) is for code that wants its own stream of random numbers.
+    Every notebook calls this once after its imports, so a re-run prints the same numbers. Code that wants a
+    stream of random numbers of its own passes a ``torch.Generator().manual_seed(...)`` explicitly.
     """
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
