@@ -1,0 +1,144 @@
+"""Tests for groundup.embeddings against one-hot products, PyTorch built-ins and the closed-form scales."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from groundup.embeddings import INITS, SMALL_STD, TokenEmbedding, Unembedding, rms
+
+
+def test_rms_closed_form():
+    x = torch.tensor([[3.0, 4.0], [1.0, -1.0]])
+    torch.testing.assert_close(rms(x), torch.tensor([math.sqrt(12.5), 1.0]))
+    assert rms(torch.ones(5, 7), dim=0).shape == (7,)
+    assert rms(x, keepdim=True).shape == (2, 1)
+    # a one-hot vector in R^n has RMS norm 1/sqrt(n)
+    assert rms(F.one_hot(torch.tensor(3), 32000)).item() == pytest.approx(1 / math.sqrt(32000))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        rms([1.0, 2.0])
+
+
+def test_one_hot_times_matrix_is_the_lookup():
+    torch.manual_seed(0)
+    emb = TokenEmbedding(11, 6)
+    ids = torch.tensor([[0, 3, 10], [5, 5, 1]])
+    one_hot = F.one_hot(ids, 11).to(emb.weight.dtype)           # [2, 3, 11]
+    torch.testing.assert_close(one_hot @ emb.weight, emb(ids))   # exact: each sum has one non-zero term
+    torch.testing.assert_close(emb(ids), F.embedding(ids, emb.weight))
+    assert emb(ids).shape == (2, 3, 6)
+    assert torch.equal(emb(torch.tensor(4)), emb.weight[4])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_integer_dtypes_accepted(dtype):
+    emb = TokenEmbedding(5, 3)
+    assert torch.equal(emb(torch.tensor([4, 0], dtype=dtype)), emb.weight[[4, 0]])
+
+
+def test_rms_init_every_row_exactly_rms_one():
+    torch.manual_seed(1)
+    emb = TokenEmbedding(1000, 64, init="rms")
+    assert emb.weight.shape == (1000, 64)
+    torch.testing.assert_close(rms(emb.weight), torch.ones(1000))
+    # the rows still point in random directions: mean about 0, not all equal
+    assert abs(emb.weight.mean().item()) < 0.02
+    assert emb.weight.std(dim=0).min() > 0.5
+
+
+def test_normal_init_rms_one_only_in_expectation_and_small_init():
+    torch.manual_seed(2)
+    w = TokenEmbedding(2000, 64, init="normal").weight
+    row_rms = rms(w)
+    assert row_rms.mean().item() == pytest.approx(1.0, abs=0.01)
+    # fluctuates by about 1/sqrt(2 d) = 0.088 from row to row
+    assert row_rms.std().item() == pytest.approx(1 / math.sqrt(2 * 64), rel=0.15)
+    small = TokenEmbedding(2000, 64, init="small").weight
+    assert small.std().item() == pytest.approx(SMALL_STD, rel=0.02)
+
+
+def test_unembedding_scale_gives_unit_logits():
+    torch.manual_seed(3)
+    d, n_v = 256, 500
+    unemb = Unembedding(d, n_v)
+    assert unemb.weight.shape == (n_v, d)
+    assert unemb.weight.std().item() == pytest.approx(1 / math.sqrt(d), rel=0.02)
+    x = TokenEmbedding(50, d)(torch.arange(50))            # hidden vectors at RMS exactly 1
+    logits = unemb(x)
+    assert logits.shape == (50, n_v)
+    assert logits.std().item() == pytest.approx(1.0, rel=0.05)
+    torch.testing.assert_close(logits, F.linear(x, unemb.weight))
+
+
+def test_logits_softmax_is_a_distribution():
+    torch.manual_seed(4)
+    emb, unemb = TokenEmbedding(30, 16), Unembedding(16, 30)
+    probs = torch.softmax(unemb(emb(torch.tensor([[1, 2, 3]]))), dim=-1)
+    assert (probs > 0).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1, 3))
+
+
+def test_tying_shares_the_parameter_and_its_gradient():
+    torch.manual_seed(5)
+    emb = TokenEmbedding(20, 8)
+    unemb = Unembedding(8, 20, tied_to=emb)
+    assert unemb.weight is emb.weight and unemb.tied
+    model = nn.ModuleDict({"emb": emb, "unemb": unemb})
+    assert len(list(model.parameters())) == 1                     # counted (and optimised) once
+    assert sum(p.numel() for p in model.parameters()) == 20 * 8
+    ids = torch.tensor([2, 7, 7])
+    loss = F.cross_entropy(unemb(emb(ids)), torch.tensor([7, 1, 2]))
+    loss.backward()
+    # the one gradient is the sum of the two uses' gradients: compare with an untied copy
+    w_in = emb.weight.detach().clone().requires_grad_()
+    w_out = emb.weight.detach().clone().requires_grad_()
+    F.cross_entropy(w_in[ids] @ w_out.T, torch.tensor([7, 1, 2])).backward()
+    torch.testing.assert_close(emb.weight.grad, w_in.grad + w_out.grad)
+    # an update to the one parameter moves both uses
+    with torch.no_grad():
+        emb.weight[3] += 1.0
+    assert torch.equal(unemb.weight[3], emb.weight[3])
+
+
+def test_tying_to_nn_embedding_and_shape_mismatch():
+    e = nn.Embedding(9, 4)
+    assert Unembedding(4, 9, tied_to=e).weight is e.weight
+    with pytest.raises(ValueError, match=r"tied_to.weight must have shape .*\(9, 5\).*\(9, 4\)"):
+        Unembedding(5, 9, tied_to=e)
+    with pytest.raises(ValueError, match="tied_to.weight must have shape"):
+        Unembedding(4, 10, tied_to=TokenEmbedding(9, 4))
+    with pytest.raises(TypeError, match="tied_to must be a TokenEmbedding"):
+        Unembedding(4, 9, tied_to=torch.zeros(9, 4))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"init must be one of 'rms', 'normal', 'small'; got 'xavier'"):
+        TokenEmbedding(5, 3, init="xavier")
+    assert INITS == ("rms", "normal", "small")
+    for bad in (0, -2, 2.0, True, None):
+        with pytest.raises(ValueError, match="vocab_size must be a positive integer"):
+            TokenEmbedding(bad, 3)
+        with pytest.raises(ValueError, match="d_model must be a positive integer"):
+            Unembedding(bad, 3)
+    emb = TokenEmbedding(5, 3)
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\] \(vocab_size=5\), got 5"):
+        emb(torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\].*got -1"):
+        emb(torch.tensor([-1, 2]))
+    with pytest.raises(TypeError, match="ids must have an integer dtype"):
+        emb(torch.tensor([0.0, 1.0]))
+    with pytest.raises(TypeError, match="ids must be a torch.Tensor"):
+        emb([0, 1])
+    assert emb(torch.zeros(0, dtype=torch.long)).shape == (0, 3)
+    unemb = Unembedding(3, 5)
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., d_model=3\], got \(2, 4\)"):
+        unemb(torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        unemb(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_reprs():
+    assert "init='small'" in repr(TokenEmbedding(5, 3, init="small"))
+    assert "tied=True" in repr(Unembedding(3, 5, tied_to=TokenEmbedding(5, 3)))
