@@ -1,0 +1,282 @@
+"""Positional information for attention: absolute encodings added to the input, and relative ones inside it.
+
+Chapter 4 builds each of these; the GPT of chapter 6 selects one with ``GPTConfig.positional``.
+
+* **Absolute**, added to the token embeddings (``x_t = W_E[w_t] + p_t``):
+  :func:`sinusoidal_encoding` (fixed, Vaswani et al. 2017) and :class:`LearnedPositionalEmbedding`
+  (a learned table, GPT-2).
+* **Relative**, added to the attention scores before the softmax (``s_{t,i} + b_{t-i}``):
+  :class:`RelativePositionBias` (learned, Shaw et al. 2018 / T5's buckets, Raffel et al. 2020) and
+  :func:`alibi_bias` (fixed linear penalty, Press et al. 2022). Both return ``[n_heads, n, n]`` with entry
+  ``[h, t, i]`` the bias of query position ``t`` looking at key position ``i``.
+* **Rotary** (RoPE, Su et al. 2021), applied to queries and keys: :class:`RotaryEmbedding`.
+
+Convention everywhere: positions are counted from 0, ``t`` is the query (row) and ``i`` the key (column).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "LearnedPositionalEmbedding",
+    "RelativePositionBias",
+    "RotaryEmbedding",
+    "alibi_bias",
+    "alibi_slopes",
+    "relative_position_bucket",
+    "sinusoidal_encoding",
+]
+
+
+def _check_int(name: str, value, *, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+
+
+def _check_even(name: str, value) -> None:
+    _check_int(name, value)
+    if value % 2:
+        raise ValueError(f"{name} must be even (dimensions are used in (sin, cos) pairs), got {value}")
+
+
+def _check_base(base) -> None:
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
+        raise ValueError(f"base must be a finite number > 1 (usually 10000.0), got {base!r}")
+
+
+def _frequencies(d: int, base: float) -> Tensor:
+    """The d/2 angular frequencies ``base^(-2i/d)``, i = 0..d/2-1, in float64."""
+    return base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Absolute encodings: added to the token embeddings
+# ----------------------------------------------------------------------------------------------------------
+
+
+def sinusoidal_encoding(n_positions: int, d_model: int, *, base: float = 10000.0) -> Tensor:
+    """The fixed sinusoidal table of Vaswani et al. (2017), shape ``[n_positions, d_model]``, float32.
+
+    Row ``k`` (position ``k = 0, 1, ...``) holds ``P[k, 2i] = sin(k / base^(2i/d))`` and
+    ``P[k, 2i+1] = cos(k / base^(2i/d))`` for ``i = 0 .. d_model/2 - 1``. Angles are computed in float64.
+    """
+    _check_int("n_positions", n_positions)
+    _check_even("d_model", d_model)
+    _check_base(base)
+    angles = torch.arange(n_positions, dtype=torch.float64)[:, None] * _frequencies(d_model, base)[None, :]
+    table = torch.empty(n_positions, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)
+    return table.to(torch.float32)
+
+
+def _check_positions(positions, limit: int | None = None, limit_name: str = "") -> None:
+    if not isinstance(positions, Tensor):
+        raise TypeError(f"positions must be a torch.Tensor of integer positions, got {type(positions).__name__}")
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise TypeError(f"positions must be an integer tensor (e.g. torch.long), got dtype {positions.dtype}")
+    if positions.numel() and int(positions.min()) < 0:
+        raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
+    if limit is not None and positions.numel() and int(positions.max()) >= limit:
+        raise ValueError(f"positions must be < {limit_name}={limit} (the table has one row per position), "
+                         f"got position {int(positions.max())}")
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """A learned vector ``p_t`` for each position ``t = 0 .. context_length-1`` (GPT-2's ``wpe``).
+
+    ``weight`` has shape ``[context_length, d_model]``, initialised from N(0, 0.02²) as in GPT-2. Call it with
+    an integer tensor of positions of any shape ``(...)`` to get ``(..., d_model)``. A learned table knows
+    nothing about positions it has no row for: positions ``>= context_length`` raise ``ValueError``.
+    """
+
+    def __init__(self, context_length: int, d_model: int):
+        super().__init__()
+        _check_int("context_length", context_length)
+        _check_int("d_model", d_model)
+        self.context_length = context_length
+        self.d_model = d_model
+        self.weight = nn.Parameter(torch.randn(context_length, d_model) * 0.02)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        _check_positions(positions, self.context_length, "context_length")
+        return self.weight[positions]
+
+    def extra_repr(self) -> str:
+        return f"context_length={self.context_length}, d_model={self.d_model}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Relative biases: added to the attention scores
+# ----------------------------------------------------------------------------------------------------------
+
+
+def relative_position_bucket(offset: Tensor, *, num_buckets: int, max_distance: int,
+                             bidirectional: bool = True) -> Tensor:
+    """T5's bucket for each offset ``t - i`` (query minus key), as in Raffel et al. (2020).
+
+    With ``bidirectional`` the buckets are split in half: ``[0, num_buckets/2)`` for ``t >= i`` (the past) and
+    the upper half for ``t < i`` (the future); otherwise every future offset shares bucket 0. Within a half of
+    ``B`` buckets, distances ``0 .. B/2 - 1`` get a bucket each, and larger distances share ``B/2``
+    logarithmically spaced buckets up to ``max_distance``; all distances ``>= max_distance`` share the last one.
+    """
+    _check_int("num_buckets", num_buckets, minimum=2 if not bidirectional else 4)
+    _check_int("max_distance", max_distance)
+    offset = offset.long()
+    bucket = torch.zeros_like(offset)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (offset < 0).long() * num_buckets
+        distance = offset.abs()
+    else:
+        distance = offset.clamp(min=0)
+    max_exact = num_buckets // 2
+    if max_distance <= max_exact:
+        raise ValueError(f"max_distance must exceed the {max_exact} exactly-represented distances, got {max_distance}")
+    # Log-spaced buckets for distance >= max_exact (clamp avoids log(0) in the unused branch).
+    log_ratio = torch.log(distance.clamp(min=1).double() / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).long()
+    large = large.clamp(max=num_buckets - 1)
+    return bucket + torch.where(distance < max_exact, distance, large)
+
+
+class RelativePositionBias(nn.Module):
+    """A learned scalar ``b_h(t - i)`` per head and offset, added to the attention scores (Shaw et al. 2018).
+
+    Called with a sequence length ``n``, returns ``[n_heads, n, n]`` with entry ``[h, t, i] = b_h(t - i)``:
+    the attention weights become ``softmax_i(s_{t,i} + b_{t-i})``.
+
+    * Default (``num_buckets=None``): one parameter per offset, offsets clipped to
+      ``[-max_distance, max_distance]`` (``2*max_distance + 1`` parameters per head; with
+      ``bidirectional=False`` future offsets ``t < i`` share the offset-0 entry, which the causal mask hides
+      anyway, and there are ``max_distance + 1`` per head).
+    * ``num_buckets=B``: T5-style buckets (:func:`relative_position_bucket`), exact for small distances,
+      logarithmic up to ``max_distance`` (``B`` parameters per head).
+
+    ``bias`` (shape ``[n_heads, n_entries]``) starts at zero, i.e. the model starts with no positional
+    information and learns it.
+    """
+
+    def __init__(self, n_heads: int, max_distance: int, *, num_buckets: int | None = None,
+                 bidirectional: bool = True):
+        super().__init__()
+        _check_int("n_heads", n_heads)
+        _check_int("max_distance", max_distance)
+        self.n_heads = n_heads
+        self.max_distance = max_distance
+        self.num_buckets = num_buckets
+        self.bidirectional = bool(bidirectional)
+        if num_buckets is None:
+            n_entries = 2 * max_distance + 1 if self.bidirectional else max_distance + 1
+        else:
+            relative_position_bucket(torch.zeros(1), num_buckets=num_buckets, max_distance=max_distance,
+                                     bidirectional=self.bidirectional)  # validates the arguments
+            n_entries = num_buckets
+        self.bias = nn.Parameter(torch.zeros(n_heads, n_entries))
+
+    def index(self, n: int) -> Tensor:
+        """The ``[n, n]`` table of which entry of ``bias`` each (query t, key i) pair uses."""
+        _check_int("n", n)
+        positions = torch.arange(n, device=self.bias.device)
+        offset = positions[:, None] - positions[None, :]  # t - i
+        if self.num_buckets is not None:
+            return relative_position_bucket(offset, num_buckets=self.num_buckets, max_distance=self.max_distance,
+                                            bidirectional=self.bidirectional)
+        if self.bidirectional:
+            return offset.clamp(-self.max_distance, self.max_distance) + self.max_distance
+        return offset.clamp(0, self.max_distance)
+
+    def forward(self, n: int) -> Tensor:
+        return self.bias[:, self.index(n)]
+
+    def extra_repr(self) -> str:
+        extra = f", num_buckets={self.num_buckets}" if self.num_buckets is not None else ""
+        return f"n_heads={self.n_heads}, max_distance={self.max_distance}{extra}, bidirectional={self.bidirectional}"
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """ALiBi's head slopes ``m_h = 2^(-8h/n_heads)``, h = 1..n_heads (a geometric sequence), float32.
+
+    This is the paper's formula for a power-of-two number of heads; we use it for every ``n_heads`` (the
+    paper interleaves two such sequences otherwise).
+    """
+    _check_int("n_heads", n_heads)
+    h = torch.arange(1, n_heads + 1, dtype=torch.float64)
+    return (2.0 ** (-8.0 * h / n_heads)).to(torch.float32)
+
+
+def alibi_bias(n_heads: int, n: int) -> Tensor:
+    """ALiBi's fixed linear bias (Press et al. 2022): ``[n_heads, n, n]`` with entry ``-m_h * |t - i|``.
+
+    For the causal part ``i <= t`` this is the paper's ``-m_h (t - i)``: each head penalises distant keys
+    linearly, with its own slope :func:`alibi_slopes`. For ``i > t`` we use the same penalty on the distance
+    ``|t - i|`` (symmetric), which a causal mask removes anyway and which keeps the bias usable without one.
+    """
+    _check_int("n_heads", n_heads)
+    _check_int("n", n)
+    positions = torch.arange(n, dtype=torch.float32)
+    distance = (positions[:, None] - positions[None, :]).abs()
+    return -alibi_slopes(n_heads)[:, None, None] * distance
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rotary embedding: rotates queries and keys
+# ----------------------------------------------------------------------------------------------------------
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE, Su et al. 2021) for per-head vectors of size ``d_head``.
+
+    Pairing convention: dimensions ``(2i, 2i+1)`` form one plane (interleaved pairs, as in the RoFormer paper;
+    LLaMA's Hugging Face code pairs ``(i, i + d/2)`` instead, which is the same up to a fixed permutation).
+    At position ``t`` the pair is rotated by the angle ``t * theta_i``, ``theta_i = base^(-2i/d_head)``::
+
+        out[2i]   = x[2i] cos(t theta_i) - x[2i+1] sin(t theta_i)
+        out[2i+1] = x[2i] sin(t theta_i) + x[2i+1] cos(t theta_i)
+
+    so ``<R_t q, R_i k> = q^T R_{i-t} k`` depends on positions only through the offset. No parameters.
+    """
+
+    inv_freq: Tensor
+
+    def __init__(self, d_head: int, *, base: float = 10000.0):
+        super().__init__()
+        _check_even("d_head", d_head)
+        _check_base(base)
+        self.d_head = d_head
+        self.base = float(base)
+        self.register_buffer("inv_freq", _frequencies(d_head, self.base), persistent=False)
+
+    def angles(self, positions: Tensor) -> Tensor:
+        """The rotation angles ``t * theta_i``: ``[seq, d_head/2]`` in float64."""
+        _check_positions(positions)
+        if positions.dim() != 1:
+            raise ValueError(f"positions must have shape (seq,), got {tuple(positions.shape)}")
+        return positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)[None, :]
+
+    def apply_rotary(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate ``x`` of shape ``(..., seq, d_head)`` at integer ``positions`` of shape ``(seq,)``."""
+        if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
+            raise TypeError("x must be a floating-point torch.Tensor of shape (..., seq, d_head)")
+        if x.dim() < 2 or x.shape[-1] != self.d_head:
+            raise ValueError(f"x must have shape (..., seq, d_head={self.d_head}), got {tuple(x.shape)}")
+        angles = self.angles(positions)
+        if angles.shape[0] != x.shape[-2]:
+            raise ValueError(f"positions must have one entry per sequence position: x has seq={x.shape[-2]}, "
+                             f"positions has {angles.shape[0]}")
+        cos, sin = torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype)
+        x_even, x_odd = x[..., 0::2], x[..., 1::2]
+        out = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+        return out.flatten(-2)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return self.apply_rotary(x, positions)
+
+    def extra_repr(self) -> str:
+        return f"d_head={self.d_head}, base={self.base}"
