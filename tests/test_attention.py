@@ -1,0 +1,333 @@
+"""groundup.attention against PyTorch's built-ins (F.scaled_dot_product_attention, nn.MultiheadAttention)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from groundup.attention import KVCache, MultiHeadAttention, causal_mask, scaled_dot_product_attention
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _qkv(*batch, n_q=5, n_k=7, d_k=8, d_v=6, seed=0):
+    g = _gen(seed)
+    return (torch.randn(*batch, n_q, d_k, generator=g), torch.randn(*batch, n_k, d_k, generator=g),
+            torch.randn(*batch, n_k, d_v, generator=g))
+
+
+def _copy_to_torch(ours: MultiHeadAttention) -> nn.MultiheadAttention:
+    """An nn.MultiheadAttention holding exactly our weights (its in_proj stacks W_q, W_k, W_v)."""
+    ref = nn.MultiheadAttention(ours.d_model, ours.n_heads, batch_first=True, bias=ours.W_q.bias is not None)
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([ours.W_q.weight, ours.W_k.weight, ours.W_v.weight]))
+        ref.out_proj.weight.copy_(ours.W_o.weight)
+        if ours.W_q.bias is not None:
+            ref.in_proj_bias.copy_(torch.cat([ours.W_q.bias, ours.W_k.bias, ours.W_v.bias]))
+            ref.out_proj.bias.copy_(ours.W_o.bias)
+    return ref
+
+
+# ---------------------------------------------------------------- causal_mask
+
+
+def test_causal_mask_is_lower_triangle():
+    m = causal_mask(4)
+    assert m.dtype == torch.bool and m.shape == (4, 4)
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(m, expected)
+
+
+def test_causal_mask_with_cached_keys_is_bottom_right_aligned():
+    m = causal_mask(2, n_keys=5)
+    assert torch.equal(m, causal_mask(5)[3:])
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_causal_mask_rejects_bad_n(bad):
+    with pytest.raises(ValueError, match="n must be a positive integer"):
+        causal_mask(bad)
+    with pytest.raises(ValueError, match="n_keys must be an integer >= n"):
+        causal_mask(3, n_keys=2)
+
+
+# ---------------------------------------------------------------- scaled_dot_product_attention
+
+
+def test_sdpa_matches_torch_without_mask():
+    q, k, v = _qkv(2, 3)
+    out, w = scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+    assert w.shape == (2, 3, 5, 7)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 3, 5))
+
+
+def test_sdpa_closed_form_on_tiny_example():
+    # one query, two keys: scores (1*1, 1*-1)/sqrt(1) -> weights softmax([1, -1])
+    q, k, v = torch.tensor([[1.0]]), torch.tensor([[1.0], [-1.0]]), torch.tensor([[10.0], [20.0]])
+    out, w = scaled_dot_product_attention(q, k, v)
+    p = torch.exp(torch.tensor(1.0)) / (torch.exp(torch.tensor(1.0)) + torch.exp(torch.tensor(-1.0)))
+    torch.testing.assert_close(w, torch.stack([p, 1 - p]).view(1, 2))
+    torch.testing.assert_close(out, (10 * p + 20 * (1 - p)).view(1, 1))
+
+
+def test_sdpa_scales_by_sqrt_dk():
+    q, k, v = _qkv(n_q=3, n_k=3, d_k=16)
+    _, w = scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(w, torch.softmax(q @ k.T / 4.0, dim=-1))
+
+
+def test_sdpa_matches_torch_with_causal_mask_and_masked_weights_are_exactly_zero():
+    q, k, v = _qkv(2, n_q=6, n_k=6)
+    m = causal_mask(6)
+    out, w = scaled_dot_product_attention(q, k, v, mask=m)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=m))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert (w[..., ~m] == 0).all()
+    assert (w[..., m] > 0).all()
+
+
+def test_sdpa_matches_torch_with_padding_mask_bias_and_both():
+    q, k, v = _qkv(2, 3, n_q=4, n_k=5)
+    pad = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)[:, None, None, :]  # (2,1,1,5)
+    bias = torch.randn(3, 4, 5, generator=_gen(1))
+    out, w = scaled_dot_product_attention(q, k, v, mask=pad)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=pad))
+    assert (w[0, :, :, 3:] == 0).all()
+    out, _ = scaled_dot_product_attention(q, k, v, bias=bias)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
+    out, _ = scaled_dot_product_attention(q, k, v, mask=pad, bias=bias)
+    combined = bias.masked_fill(~pad, float("-inf"))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=combined))
+
+
+def test_sdpa_fully_masked_row_gives_zero_weights_and_finite_gradients():
+    q, k, v = (t.requires_grad_() for t in _qkv(n_q=2, n_k=3))
+    mask = torch.tensor([[True, False, True], [False, False, False]])
+    out, w = scaled_dot_product_attention(q, k, v, mask=mask)
+    assert torch.equal(w[1], torch.zeros(3)) and torch.equal(out[1], torch.zeros(6))
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_sdpa_gradients_match_torch():
+    q, k, v = (t.requires_grad_() for t in _qkv(2, n_q=4, n_k=4))
+    m = causal_mask(4)
+    grads = torch.autograd.grad(scaled_dot_product_attention(q, k, v, mask=m)[0].square().sum(), (q, k, v))
+    ref = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=m).square().sum(), (q, k, v))
+    for g, r in zip(grads, ref, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+def test_sdpa_rejects_bad_inputs():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="same last dimension d_k"):
+        scaled_dot_product_attention(q, k[:, :3], v)
+    with pytest.raises(ValueError, match="same number of positions n_k"):
+        scaled_dot_product_attention(q, k, v[:4])
+    with pytest.raises(ValueError, match=r"q must have shape \(\.\.\., seq, dim\)"):
+        scaled_dot_product_attention(q[0, 0], k, v)
+    with pytest.raises(TypeError, match="mask must be a bool tensor"):
+        scaled_dot_product_attention(q, k, v, mask=torch.ones(5, 7))
+    with pytest.raises(ValueError, match=r"mask of shape \(5, 5\) must broadcast"):
+        scaled_dot_product_attention(q, k, v, mask=causal_mask(5))
+    with pytest.raises(TypeError, match="bias must be a floating-point tensor"):
+        scaled_dot_product_attention(q, k, v, bias=torch.ones(5, 7, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"bias of shape \(2, 5, 7\) must broadcast"):
+        scaled_dot_product_attention(q, k, v, bias=torch.zeros(2, 5, 7))
+
+
+# ---------------------------------------------------------------- MultiHeadAttention
+
+
+def test_mha_parameters_and_shapes():
+    mha = MultiHeadAttention(12, 3)
+    assert mha.d_head == 4
+    names = [n for n, _ in mha.named_parameters()]
+    assert names == [f"W_{p}.{t}" for p in "qkvo" for t in ("weight", "bias")]
+    assert mha.W_q.weight.shape == (12, 12) and mha.W_o.weight.shape == (12, 12)
+    wide = MultiHeadAttention(10, 3, d_head=5, bias=False)
+    assert wide.W_k.weight.shape == (15, 10) and wide.W_o.weight.shape == (10, 15) and wide.W_o.bias is None
+    out, w = wide(torch.randn(2, 4, 10), need_weights=True)
+    assert out.shape == (2, 4, 10) and w.shape == (2, 3, 4, 4)
+
+
+def test_mha_rejects_bad_configuration():
+    with pytest.raises(ValueError, match=r"d_model = 10 is not divisible by n_heads = 3"):
+        MultiHeadAttention(10, 3)
+    with pytest.raises(ValueError, match="n_heads must be a positive integer"):
+        MultiHeadAttention(10, 0)
+    with pytest.raises(ValueError, match="d_head must be a positive integer"):
+        MultiHeadAttention(10, 2, d_head=0)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        MultiHeadAttention(10, 2, dropout=1.0)
+
+
+def test_mha_rejects_bad_inputs():
+    mha = MultiHeadAttention(8, 2)
+    with pytest.raises(ValueError, match=r"x must have shape \(batch, seq, d_model=8\), got \(3, 8\)"):
+        mha(torch.randn(3, 8))
+    with pytest.raises(ValueError, match=r"x must have shape \(batch, seq, d_model=8\), got \(1, 3, 6\)"):
+        mha(torch.randn(1, 3, 6))
+    with pytest.raises(ValueError, match="context must have the same batch size as x"):
+        mha(torch.randn(2, 3, 8), torch.randn(1, 4, 8))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        mha([[1.0] * 8])
+    with pytest.raises(ValueError, match="mask of shape"):
+        mha(torch.randn(1, 3, 8), mask=causal_mask(4))
+    with pytest.raises(TypeError, match="mask must be a bool tensor"):
+        mha(torch.randn(1, 3, 8), mask=torch.ones(3, 3))
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mha_matches_torch_self_attention(need_weights, causal):
+    torch.manual_seed(0)
+    ours = MultiHeadAttention(16, 4)
+    ref = _copy_to_torch(ours)
+    x = torch.randn(3, 6, 16, requires_grad=True)
+    mask = causal_mask(6) if causal else None
+    got = ours(x, mask=mask, need_weights=need_weights)
+    exp, exp_w = ref(x, x, x, attn_mask=None if mask is None else ~mask, need_weights=True,
+                     average_attn_weights=False)
+    if need_weights:
+        got, w = got
+        torch.testing.assert_close(w, exp_w)
+    torch.testing.assert_close(got, exp)
+    g_ours = torch.autograd.grad(got.square().sum(), [x, ours.W_q.weight, ours.W_v.weight, ours.W_o.bias])
+    g_ref = torch.autograd.grad(exp.square().sum(), [x, ref.in_proj_weight, ref.out_proj.bias])
+    torch.testing.assert_close(g_ours[0], g_ref[0])
+    torch.testing.assert_close(g_ours[1], g_ref[1][:16])
+    torch.testing.assert_close(g_ours[2], g_ref[1][32:])
+    torch.testing.assert_close(g_ours[3], g_ref[2])
+
+
+def test_mha_matches_torch_cross_attention_with_padding_mask():
+    torch.manual_seed(1)
+    ours = MultiHeadAttention(12, 3, bias=False)
+    ref = _copy_to_torch(ours)
+    x, ctx = torch.randn(2, 4, 12), torch.randn(2, 7, 12)
+    keep = torch.tensor([[True] * 7, [True] * 5 + [False] * 2])
+    got, w = ours(x, ctx, mask=keep[:, None, None, :], need_weights=True)
+    exp, exp_w = ref(x, ctx, ctx, key_padding_mask=~keep, average_attn_weights=False)
+    torch.testing.assert_close(got, exp)
+    torch.testing.assert_close(w, exp_w)
+    assert (w[1, :, :, 5:] == 0).all()
+    torch.testing.assert_close(ours(x, ctx, mask=keep[:, None, None, :]), exp)
+
+
+def test_mha_fast_and_explicit_paths_agree_with_bias_and_mask():
+    torch.manual_seed(2)
+    mha = MultiHeadAttention(16, 4)
+    x = torch.randn(2, 5, 16)
+    bias = torch.randn(4, 5, 5)
+    fast = mha(x, mask=causal_mask(5), attn_bias=bias)
+    slow, w = mha(x, mask=causal_mask(5), attn_bias=bias, need_weights=True)
+    torch.testing.assert_close(fast, slow)
+    assert (w[..., ~causal_mask(5)] == 0).all()
+
+
+def test_mha_kv_cache_step_by_step_equals_full_causal_pass():
+    torch.manual_seed(3)
+    mha = MultiHeadAttention(16, 2)
+    x = torch.randn(2, 6, 16)
+    full = mha(x, mask=causal_mask(6))
+    cache = KVCache()
+    first = mha(x[:, :3], mask=causal_mask(3), cache=cache)   # prefill 3 positions
+    assert len(cache) == 3 and cache.k.shape == (2, 2, 3, 8)
+    steps = [mha(x[:, t:t + 1], cache=cache) for t in range(3, 6)]  # then one token at a time
+    torch.testing.assert_close(torch.cat([first, *steps], dim=1), full)
+    assert len(cache) == 6
+    cache.reset()
+    assert len(cache) == 0 and cache.k is None and cache.v is None
+    # several new positions at once need the bottom-right-aligned causal mask
+    mha(x[:, :4], mask=causal_mask(4), cache=cache)
+    rest = mha(x[:, 4:], mask=causal_mask(2, n_keys=6), cache=cache)
+    torch.testing.assert_close(rest, full[:, 4:])
+
+
+def test_kv_cache_rejects_mismatched_shapes():
+    cache = KVCache()
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        cache.append(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 5))
+    cache.append(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="do not match the cached keys"):
+        cache.append(torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4))
+
+
+def test_mha_cross_attention_cache_reuses_the_context():
+    torch.manual_seed(4)
+    mha = MultiHeadAttention(8, 2)
+    x, ctx = torch.randn(1, 3, 8), torch.randn(1, 5, 8)
+    cache = KVCache()
+    first = mha(x[:, :1], ctx, cache=cache)
+    assert len(cache) == 5
+    later = mha(x[:, 1:], ctx, cache=cache)
+    assert len(cache) == 5
+    torch.testing.assert_close(torch.cat([first, later], 1), mha(x, ctx))
+
+
+class _Rotary:
+    """A minimal rotary embedding (pairs (2i, 2i+1) rotated by angle position * base^(-2i/d))."""
+
+    def __init__(self, d_head, base=10000.0):
+        self.inv_freq = base ** (-torch.arange(0, d_head, 2, dtype=torch.float32) / d_head)
+
+    def apply_rotary(self, x, positions):
+        angles = positions[:, None].float() * self.inv_freq  # (seq, d/2)
+        cos, sin = angles.cos(), angles.sin()
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+def test_mha_rotary_rotates_queries_and_keys_at_their_positions():
+    torch.manual_seed(5)
+    mha = MultiHeadAttention(8, 2)
+    rot = _Rotary(4)
+    x = torch.randn(1, 5, 8)
+    got, w = mha(x, rotary=rot, mask=causal_mask(5), need_weights=True)
+    q = mha.W_q(x).view(1, 5, 2, 4).transpose(1, 2)
+    k = mha.W_k(x).view(1, 5, 2, 4).transpose(1, 2)
+    pos = torch.arange(5)
+    _, exp_w = scaled_dot_product_attention(rot.apply_rotary(q, pos), rot.apply_rotary(k, pos), k,
+                                            mask=causal_mask(5))
+    torch.testing.assert_close(w, exp_w)
+    # with a cache the default positions continue where the cache ends
+    cache = KVCache()
+    parts = [mha(x[:, :2], rotary=rot, mask=causal_mask(2), cache=cache)]
+    parts += [mha(x[:, t:t + 1], rotary=rot, cache=cache) for t in range(2, 5)]
+    torch.testing.assert_close(torch.cat(parts, 1), got)
+    with pytest.raises(ValueError, match=r"positions must have shape \(n_q,\)"):
+        mha(x, rotary=rot, positions=torch.arange(4))
+
+
+def test_mha_dropout_only_while_training():
+    torch.manual_seed(6)
+    mha = MultiHeadAttention(8, 2, dropout=0.5)
+    x = torch.randn(2, 6, 8)
+    mha.eval()
+    torch.testing.assert_close(mha(x), mha(x))
+    torch.testing.assert_close(mha(x), mha(x, need_weights=True)[0])
+    mha.train()
+    assert not torch.allclose(mha(x), mha(x))
+    out, w = mha(x, need_weights=True)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 2, 6))  # the returned weights are before dropout
+
+
+def test_mha_uses_torch_fused_kernel_only_when_no_weights_are_requested(monkeypatch):
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counting)
+    mha = MultiHeadAttention(8, 2)
+    x = torch.randn(1, 3, 8)
+    mha(x)
+    assert len(calls) == 1
+    mha(x, need_weights=True)
+    assert len(calls) == 1
