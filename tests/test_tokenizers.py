@@ -1,0 +1,281 @@
+"""Tests of groundup.tokenizers: round trips, the learned merges, special tokens, save/load, errors."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import regex
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from groundup.tokenizers import GPT2_SPLIT_PATTERN, BPETokenizer, CharTokenizer, learn_merges
+
+TEXT = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+    "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n\n"
+    "First Citizen:\nFirst, you know Caius Marcius is chief enemy to the people.\n\n"
+    "All:\nWe know't, we know't.\n\nFirst Citizen:\nLet us kill him, and we'll have corn at our own price.\n"
+) * 3
+EOT = "<|endoftext|>"
+
+
+# ---- the textbook algorithm, written independently of the package ----------------------------------------
+
+def _merge_ref(ids, pair, new_id):
+    out, i = [], 0
+    while i < len(ids):
+        if tuple(ids[i:i + 2]) == pair:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def textbook_merges(text, n_merges, pattern=GPT2_SPLIT_PATTERN):
+    """Recount every adjacent pair of every chunk after each merge; most frequent wins, ties -> smallest pair."""
+    chunks = [list(c.encode("utf-8")) for c in (regex.findall(pattern, text) if pattern else [text])]
+    merges = []
+    for k in range(n_merges):
+        counts = Counter(p for ids in chunks for p in zip(ids, ids[1:], strict=False))
+        if not counts:
+            break
+        pair = min(counts, key=lambda p: (-counts[p], p))
+        merges.append(pair)
+        chunks = [_merge_ref(ids, pair, 256 + k) for ids in chunks]
+    return merges
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return BPETokenizer.train(TEXT, 300, special_tokens=[EOT])
+
+
+# ---- merges ----------------------------------------------------------------------------------------------
+
+def test_first_merges_are_the_most_frequent_pairs(tok):
+    # Count the byte pairs inside the regex chunks directly: the first merge is the most frequent one ("ll").
+    chunks = regex.findall(GPT2_SPLIT_PATTERN, TEXT)
+    counts = Counter(p for c in chunks for p in zip(c.encode(), c.encode()[1:], strict=False))
+    top = max(counts.values())
+    assert tok.merges[0] == min(p for p, n in counts.items() if n == top)
+    assert tok.merges[0] == (108, 108) and tok.vocab[256] == b"ll"
+
+
+def test_merges_equal_textbook_on_small_text(tok):
+    assert tok.merges == textbook_merges(TEXT, 300 - 256 - 1)
+    assert len(tok.merges) == 43 and tok.vocab_size == 300
+
+
+def test_tie_rule_picks_smallest_pair():
+    # "ab" and "cd" occur equally often: the rule picks (97, 98) = "ab" first, then "cd".
+    merges = BPETokenizer.train("cd ab cd ab", 258, pattern=None).merges
+    assert merges[0] == (ord(" "), ord("a")) or merges[0] == (ord("a"), ord("b"))
+    assert merges == textbook_merges("cd ab cd ab", 2, pattern=None)
+    assert learn_merges([b"cdab"], [1], 1) == [(ord("a"), ord("b"))]
+
+
+def test_overlapping_pair_counts_like_textbook():
+    # "aaaa" holds three overlapping (a, a) pairs; merging gives [aa, aa] and then (aa, aa).
+    assert learn_merges([b"aaaa", b"aaa"], [1, 1], 3) == textbook_merges("aaaa aaa", 3, pattern=r"\S+")
+    assert learn_merges([b"aaaa"], [1], 5) == [(97, 97), (256, 256)]  # stops when no pair is left
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet="ab c\n'.é", max_size=120), st.integers(1, 40),
+       st.sampled_from([GPT2_SPLIT_PATTERN, None]))
+def test_fast_trainer_equals_textbook(text, n_merges, pattern):
+    assert BPETokenizer.train(text, 256 + n_merges, pattern=pattern).merges == \
+        textbook_merges(text, n_merges, pattern)
+
+
+def test_text_runs_out_of_pairs():
+    tok = BPETokenizer.train("ab", 1000)
+    assert tok.merges == [(97, 98)] and tok.vocab_size == 257
+    assert tok.encode("abab ab") == [256, 256, 32, 256]  # " ab" is a chunk of its own; the merge applies inside
+
+
+# ---- encoding and decoding -------------------------------------------------------------------------------
+
+def test_encode_compresses_and_round_trips(tok):
+    ids = tok.encode(TEXT)
+    assert len(ids) == 594 and len(TEXT.encode()) == 1047  # 43 merges already save 43 % of the tokens
+    assert tok.decode(ids) == TEXT
+    assert all(0 <= i < tok.vocab_size - 1 for i in ids)
+
+
+def test_encode_applies_merges_in_learned_order():
+    tok = BPETokenizer([(97, 98), (98, 99), (256, 99)], pattern=None)
+    # "abc": (a, b) was learned first, so it wins over (b, c); then (ab, c).
+    assert tok.encode("abc") == [258]
+    assert tok.encode("bcab") == [257, 256]
+    assert tok.encode("xyz") == [120, 121, 122]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_round_trip_any_text(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(st.characters(categories=["Cs", "Mn", "So", "Zs", "Cc", "Lo"])))
+def test_round_trip_surrogates_marks_emoji(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_round_trip_unseen_scripts_and_emoji(tok):
+    for s in ["Zoë naïve café", "e\u0301\u0301", "👩‍👩‍👧 🏳️‍🌈", "東京で寿司", "\x00\t\r\n  ", "", EOT + EOT]:
+        assert tok.decode(tok.encode(s)) == s
+    assert tok.encode("😀") == list("😀".encode())  # never seen: its four bytes
+
+
+def test_decode_invalid_utf8_uses_replacement_character(tok):
+    assert tok.decode([0xF0, 0x9F]) == "\ufffd"  # an incomplete 4-byte character
+    assert tok.decode([0xF0, 0x9F, 0x98, 0x80]) == "😀"
+
+
+# ---- special tokens --------------------------------------------------------------------------------------
+
+def test_special_tokens_are_never_split(tok):
+    eot = tok.vocab_size - 1
+    assert tok.special_ids == {EOT: eot}
+    ids = tok.encode("Speak." + EOT + "All:")
+    assert ids.count(eot) == 1
+    assert ids == tok.encode("Speak.") + [eot] + tok.encode("All:")
+    assert tok.decode([eot]) == EOT
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(alphabet="<|>endoftxt ab"))
+def test_special_ids_never_come_from_ordinary_text(tok, text):
+    eot = tok.vocab_size - 1
+    assert tok.encode(text).count(eot) == text.count(EOT)
+
+
+def test_training_ignores_special_token_text():
+    text = ("hello world" + EOT) * 20
+    tok = BPETokenizer.train(text, 300, special_tokens=[EOT])
+    assert not any(b"<|" in v or b"|>" in v for i, v in tok.vocab.items() if i < tok.vocab_size - 1)
+    assert tok.encode(text)[-1] == tok.vocab_size - 1
+
+
+def test_longest_special_token_wins():
+    tok = BPETokenizer([], special_tokens=["<a>", "<a><b>"])
+    assert tok.encode("<a><b><a>") == [257, 256]
+
+
+# ---- characters ------------------------------------------------------------------------------------------
+
+def test_char_tokenizer():
+    tok = CharTokenizer.from_text("hello world")
+    assert tok.vocab_size == 8 and tok.chars == sorted(set("hello world"))
+    assert tok.encode("hello") == [3, 2, 4, 4, 5]
+    assert tok.decode(tok.encode("world hello")) == "world hello"
+
+
+def test_char_tokenizer_names_unseen_characters():
+    tok = CharTokenizer.from_text("hello world")
+    with pytest.raises(ValueError, match=r"2 character\(s\) not in the vocabulary: 'H', 'é'"):
+        tok.encode("Héllo")
+
+
+# ---- save and load ---------------------------------------------------------------------------------------
+
+def test_bpe_save_load_round_trip(tok, tmp_path):
+    path = tmp_path / "tok.json"
+    tok.save(path)
+    data = json.loads(path.read_text())
+    assert data["format"] == "groundup-bpe-tokenizer" and data["version"] == 1
+    assert data["merges"][0] == list(tok.merges[0]) and data["special_tokens"] == {EOT: 299}
+    assert path.read_text().count("\n") > len(tok.merges)  # one merge per line: readable
+    back = BPETokenizer.load(path)
+    assert back.merges == tok.merges and back.special_ids == tok.special_ids and back.pattern == tok.pattern
+    assert back.encode(TEXT + EOT) == tok.encode(TEXT + EOT)
+
+
+def test_bpe_without_pattern_saves_null(tmp_path):
+    tok = BPETokenizer.train("abab abab", 258, pattern=None)
+    tok.save(tmp_path / "t.json")
+    assert json.loads((tmp_path / "t.json").read_text())["pattern"] is None
+    assert BPETokenizer.load(tmp_path / "t.json").encode("abab abab") == tok.encode("abab abab")
+
+
+def test_char_save_load_round_trip(tmp_path):
+    tok = CharTokenizer.from_text("to be or not, é 😀")
+    tok.save(tmp_path / "c.json")
+    back = CharTokenizer.load(tmp_path / "c.json")
+    assert back.chars == tok.chars and back.encode("not 😀") == tok.encode("not 😀")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("not json at all", "not valid JSON"),
+    ("[1, 2]", "not a groundup tokenizer file"),
+    ('{"model": {"type": "BPE"}, "version": "1.0"}', "not a groundup tokenizer file"),
+    ('{"format": "groundup-char-tokenizer", "version": 1, "chars": ["a"]}', "expected 'groundup-bpe-tokenizer'"),
+    ('{"format": "groundup-bpe-tokenizer", "version": 7}', "format version 7"),
+    ('{"format": "groundup-bpe-tokenizer", "version": 1, "pattern": null}', "missing field"),
+    ('{"format": "groundup-bpe-tokenizer", "version": 1, "pattern": null, "special_tokens": {},'
+     ' "merges": [[1, 2, 3]]}', "pairs of integer ids"),
+    ('{"format": "groundup-bpe-tokenizer", "version": 1, "pattern": null, "special_tokens": {},'
+     ' "merges": [[300, 2]]}', "not defined before it"),
+    ('{"format": "groundup-bpe-tokenizer", "version": 1, "pattern": null, "special_tokens": {"<s>": 5},'
+     ' "merges": []}', "special token ids must be"),
+    ('{"format": "groundup-bpe-tokenizer", "version": 1, "pattern": "(", "special_tokens": {},'
+     ' "merges": []}', "corrupt tokenizer file"),
+])
+def test_bpe_load_rejects_corrupt_or_foreign_files(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        BPETokenizer.load(path)
+
+
+def test_bpe_load_rejects_truncated_file(tok, tmp_path):
+    path = tmp_path / "tok.json"
+    tok.save(path)
+    path.write_text(path.read_text()[:-40])
+    with pytest.raises(ValueError, match="not valid JSON"):
+        BPETokenizer.load(path)
+
+
+def test_char_load_rejects_bpe_file_and_corrupt_chars(tok, tmp_path):
+    tok.save(tmp_path / "b.json")
+    with pytest.raises(ValueError, match="expected 'groundup-char-tokenizer'"):
+        CharTokenizer.load(tmp_path / "b.json")
+    (tmp_path / "c.json").write_text('{"format": "groundup-char-tokenizer", "version": 1, "chars": ["ab"]}')
+    with pytest.raises(ValueError, match="corrupt"):
+        CharTokenizer.load(tmp_path / "c.json")
+
+
+def test_load_rejects_huggingface_tokenizer_file(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE())
+    hf.save(str(tmp_path / "hf.json"))
+    with pytest.raises(ValueError, match="not a groundup tokenizer file"):
+        BPETokenizer.load(tmp_path / "hf.json")
+
+
+# ---- bad arguments ---------------------------------------------------------------------------------------
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"vocab_size must be at least .* = 257"):
+        BPETokenizer.train("abc", 256, special_tokens=[EOT])
+    with pytest.raises(TypeError, match="vocab_size must be an int"):
+        BPETokenizer.train("abc", 300.0)
+    with pytest.raises(TypeError, match="text must be a str"):
+        BPETokenizer.train(b"abc", 300)
+    with pytest.raises(TypeError, match="special_tokens must be a sequence"):
+        BPETokenizer.train("abc", 300, special_tokens=EOT)
+    with pytest.raises(ValueError, match="special_tokens must be distinct"):
+        BPETokenizer.train("abc", 300, special_tokens=[EOT, EOT])
+    tok = BPETokenizer.train("abc", 257)
+    with pytest.raises(TypeError, match="text must be a str"):
+        tok.encode(["a"])
+    with pytest.raises(ValueError, match=r"ids must be integers in \[0, 257\)"):
+        tok.decode([1, 257])
+    with pytest.raises(ValueError, match="ids must be integers"):
+        CharTokenizer.from_text("ab").decode([2])
