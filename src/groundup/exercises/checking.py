@@ -57,7 +57,8 @@ def run_checks(title: str, checks: Callable[[], None], success: str = "") -> boo
     try:
         checks()
     except NotImplementedError:
-        print(f"⏳ {title}: not attempted yet. Replace `raise NotImplementedError` with your code and run the cell again.")
+        print(f"⏳ {title}: not attempted yet. Replace `raise NotImplementedError` with your code "
+              "and run the cell again.")
         return False
     except Mismatch as m:
         print(f"❌ {title}: {m.what}")

@@ -1,0 +1,100 @@
+"""Chapter 1's first language model: a count-based bigram model, and the loss and perplexity it is judged by.
+
+A bigram model predicts the next token from the current one only:
+``P(w_t | w_1, ..., w_{t-1}) ≈ P(w_t | w_{t-1}) = (count(w_{t-1}, w_t) + α) / (count(w_{t-1}) + α n_V)``.
+It has no parameters to train by gradient descent -- counting *is* its maximum-likelihood training -- which makes
+it the baseline every later model must beat.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def _as_ids(ids: Sequence[int] | torch.Tensor, vocab_size: int, name: str = "ids") -> torch.Tensor:
+    ids = torch.as_tensor(ids)
+    if ids.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D sequence of token ids, got shape {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"{name} must lie in [0, {vocab_size}) for vocab_size={vocab_size}, "
+                         f"got values from {ids.min().item()} to {ids.max().item()}")
+    return ids.long()
+
+
+def bigram_counts(ids: Sequence[int] | torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``counts[a, b]`` = how often token ``b`` directly follows token ``a`` in ``ids`` (LongTensor[n_V, n_V])."""
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    ids = _as_ids(ids, vocab_size)
+    pairs = ids[:-1] * vocab_size + ids[1:]
+    return torch.bincount(pairs, minlength=vocab_size * vocab_size).view(vocab_size, vocab_size)
+
+
+def perplexity(loss: float) -> float:
+    """Perplexity ``exp(loss)`` of a mean next-token cross-entropy given in nats."""
+    return math.exp(loss)
+
+
+class BigramLM:
+    """A count-based bigram language model with add-α (Laplace) smoothing.
+
+    ``BigramLM.fit(ids, vocab_size, alpha=1.0)`` counts the bigrams of ``ids``. ``probs[a, b]`` is then
+    ``P(b | a)``; every row sums to 1. With ``alpha=0`` the probabilities are the maximum-likelihood estimate,
+    which gives probability 0 (infinite loss) to every bigram not seen in training; ``alpha > 0`` pretends every
+    bigram was seen ``alpha`` extra times.
+    """
+
+    def __init__(self, counts: torch.Tensor, *, alpha: float = 1.0):
+        if counts.dim() != 2 or counts.shape[0] != counts.shape[1]:
+            raise ValueError(f"counts must be a square [n_V, n_V] matrix, got shape {tuple(counts.shape)}")
+        if not isinstance(alpha, (int, float)) or alpha < 0:
+            raise ValueError(f"alpha must be a non-negative number, got {alpha!r}")
+        self.counts = counts.long()
+        self.alpha = float(alpha)
+        smoothed = self.counts.double() + self.alpha
+        totals = smoothed.sum(dim=1, keepdim=True)
+        # A row that was never seen and has no smoothing carries no information: predict uniformly.
+        self.probs = torch.where(totals > 0, smoothed / totals.clamp(min=1e-300), 1.0 / self.vocab_size)
+
+    @classmethod
+    def fit(cls, ids: Sequence[int] | torch.Tensor, vocab_size: int, *, alpha: float = 1.0) -> BigramLM:
+        """Count the bigrams of ``ids`` (a 1-D sequence of token ids below ``vocab_size``)."""
+        return cls(bigram_counts(ids, vocab_size), alpha=alpha)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.counts.shape[0]
+
+    def next_token_probs(self, token: int) -> torch.Tensor:
+        """The distribution ``P(· | token)`` over the vocabulary."""
+        if not 0 <= int(token) < self.vocab_size:
+            raise ValueError(f"token must lie in [0, {self.vocab_size}), got {token}")
+        return self.probs[int(token)]
+
+    def loss(self, ids: Sequence[int] | torch.Tensor) -> float:
+        """Mean next-token cross-entropy (nats) of ``ids``: ``-1/(n-1) Σ_t log P(w_t | w_{t-1})``, t = 2..n."""
+        ids = _as_ids(ids, self.vocab_size)
+        if len(ids) < 2:
+            raise ValueError(f"ids must hold at least 2 tokens to have a next-token prediction, got {len(ids)}")
+        p = self.probs[ids[:-1], ids[1:]]
+        return float(-torch.log(p).mean())
+
+    def perplexity(self, ids: Sequence[int] | torch.Tensor) -> float:
+        """``exp(loss(ids))``: the effective number of equally likely next tokens the model hesitates between."""
+        return perplexity(self.loss(ids))
+
+    def sample(self, start: int, n_tokens: int, *, generator: torch.Generator | None = None) -> list[int]:
+        """Generate ``n_tokens`` ids after ``start`` by repeatedly sampling ``w_t ~ P(· | w_{t-1})``."""
+        if not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ValueError(f"n_tokens must be a non-negative integer, got {n_tokens!r}")
+        out = [int(start)]
+        self.next_token_probs(start)  # validates start
+        for _ in range(n_tokens):
+            nxt = torch.multinomial(self.probs[out[-1]], 1, generator=generator).item()
+            out.append(nxt)
+        return out

@@ -1,0 +1,73 @@
+"""Checkers for chapter 1, *Language models*."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from groundup.exercises.checking import expect, expect_close, run_checks
+
+
+def check_perplexity(fn) -> bool:
+    """Exercise 1.1: ``fn(probs)`` takes the probabilities a model gave to each actual next token
+    (a list of floats) and returns the perplexity ``exp(-(1/n) Σ log p)``."""
+
+    def checks():
+        cases = [([0.25, 0.25, 0.25, 0.25], 4.0), ([0.5, 0.125], 4.0), ([1.0, 1.0, 1.0], 1.0), ([0.1], 10.0),
+                 ([0.9, 0.05, 0.3, 0.6, 0.2], math.exp(-sum(map(math.log, [0.9, 0.05, 0.3, 0.6, 0.2])) / 5))]
+        for probs, expected in cases:
+            got = fn(list(probs))
+            expect_close(float(got), expected, f"perplexity of next-token probabilities {probs}",
+                         "Perplexity is exp of the *mean* negative log-probability: average log p over the tokens, "
+                         "negate it, then exponentiate.")
+
+    return run_checks("Exercise 1.1 (perplexity)", checks, "A uniform guess over n tokens has perplexity n.")
+
+
+def check_bigram_counts(fn) -> bool:
+    """Exercise 1.2: ``fn(ids, vocab_size)`` returns ``counts[a, b]``, how often ``b`` directly follows ``a``."""
+
+    def checks():
+        got = fn([0, 1, 1, 2, 0, 1], 3)
+        expect(isinstance(got, torch.Tensor), f"expected a torch.Tensor, got {type(got).__name__}",
+               "Start from torch.zeros(vocab_size, vocab_size, dtype=torch.long).")
+        expected = torch.tensor([[0, 2, 0], [0, 1, 1], [1, 0, 0]])
+        expect(tuple(got.shape) == (3, 3), f"expected shape (3, 3) for vocab_size=3, got {tuple(got.shape)}",
+               "The table has one row per current token and one column per next token.")
+        if torch.equal(got.long(), expected.T):
+            expect(False, "your table is transposed: counts[b, a] instead of counts[a, b]",
+                   "Index the row by the current token ids[t] and the column by the next token ids[t+1].")
+        expect_close(got, expected, "counts for ids [0, 1, 1, 2, 0, 1]",
+                     "Count each adjacent pair (ids[t], ids[t+1]) once, for t = 0 .. len(ids) - 2; "
+                     "the last token has no successor (no wrap-around).")
+        got = fn([2, 2, 2, 2], 4)
+        expect_close(got, torch.tensor([[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 3, 0], [0, 0, 0, 0]]),
+                     "counts for ids [2, 2, 2, 2] with vocab_size=4", "A sequence of n tokens has n - 1 pairs.")
+
+    return run_checks("Exercise 1.2 (bigram counts)", checks)
+
+
+def check_cross_entropy(fn) -> bool:
+    """Exercise 1.3: ``fn(logits, targets)`` returns the mean cross-entropy (nats) of logits [N, n_V] against
+    target ids [N], computed from scratch, and stays finite for large logits."""
+
+    def checks():
+        g = torch.Generator().manual_seed(1)
+        logits = torch.randn(6, 5, generator=g) * 3
+        targets = torch.tensor([0, 4, 2, 2, 1, 3])
+        expect_close(torch.as_tensor(fn(logits.clone(), targets.clone())), F.cross_entropy(logits, targets),
+                     "mean cross-entropy of 6 random rows of logits",
+                     "Use log-softmax: logit of the target minus log Σ exp(logits) in its row, negated and "
+                     "averaged over the rows (not summed).")
+        expect_close(torch.as_tensor(fn(torch.zeros(2, 8), torch.tensor([3, 5]))), math.log(8),
+                     "loss of all-zero logits over 8 tokens (a uniform guess)", "A uniform guess costs ln n_V.")
+        big = torch.tensor([[1000.0, 0.0, -1000.0], [0.0, 1000.0, 0.0]])
+        got = torch.as_tensor(fn(big, torch.tensor([0, 2])))
+        expect(bool(torch.isfinite(got).all()), f"logits of size 1000 gave {got.item()}",
+               "exp(1000) overflows: subtract each row's maximum from its logits before exponentiating "
+               "(the softmax does not change).")
+        expect_close(got, F.cross_entropy(big, torch.tensor([0, 2])), "loss with logits of size ±1000")
+
+    return run_checks("Exercise 1.3 (cross-entropy from scratch)", checks)

@@ -1,0 +1,70 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from groundup.bigram import BigramLM, bigram_counts, perplexity
+
+
+def test_counts_by_hand():
+    # "abab" -> pairs ab, ba, ab
+    counts = bigram_counts([0, 1, 0, 1], vocab_size=3)
+    expected = torch.tensor([[0, 2, 0], [1, 0, 0], [0, 0, 0]])
+    assert torch.equal(counts, expected)
+    assert counts.sum() == 3
+
+
+def test_probabilities_are_smoothed_counts_and_rows_sum_to_one():
+    model = BigramLM.fit([0, 1, 0, 1], vocab_size=3, alpha=1.0)
+    assert torch.allclose(model.probs[0], torch.tensor([1 / 5, 3 / 5, 1 / 5], dtype=torch.float64))
+    assert torch.allclose(model.probs.sum(dim=1), torch.ones(3, dtype=torch.float64))
+    # A row never seen is uniform.
+    assert torch.allclose(model.probs[2], torch.full((3,), 1 / 3, dtype=torch.float64))
+
+
+def test_maximum_likelihood_without_smoothing():
+    model = BigramLM.fit([0, 1, 0, 1, 1], vocab_size=2, alpha=0)
+    assert torch.allclose(model.probs, torch.tensor([[0.0, 1.0], [0.5, 0.5]], dtype=torch.float64))
+    assert model.loss([0, 0]) == math.inf
+
+
+def test_loss_equals_pytorch_cross_entropy():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 7, (500,))
+    model = BigramLM.fit(ids[:400], vocab_size=7, alpha=0.5)
+    val = ids[400:]
+    logits = torch.log(model.probs[val[:-1]])  # log-probabilities are valid logits
+    reference = F.cross_entropy(logits, val[1:]).item()
+    assert model.loss(val) == pytest.approx(reference, rel=1e-12)
+    assert model.perplexity(val) == pytest.approx(math.exp(reference), rel=1e-12)
+
+
+def test_uniform_model_has_perplexity_vocab_size():
+    model = BigramLM(torch.zeros(10, 10, dtype=torch.long), alpha=1.0)
+    assert model.perplexity([3, 1, 4, 1, 5, 9, 2, 6]) == pytest.approx(10.0, rel=1e-12)
+    assert perplexity(math.log(10)) == pytest.approx(10.0)
+
+
+def test_sampling_follows_the_counts_and_is_reproducible():
+    model = BigramLM.fit([0, 1, 2, 0, 1, 2, 0, 1, 2], vocab_size=3, alpha=0)
+    assert model.sample(0, 5) == [0, 1, 2, 0, 1, 2]  # deterministic transitions
+    noisy = BigramLM.fit(torch.randint(0, 5, (200,), generator=torch.Generator().manual_seed(1)), 5)
+    a = noisy.sample(0, 30, generator=torch.Generator().manual_seed(7))
+    b = noisy.sample(0, 30, generator=torch.Generator().manual_seed(7))
+    assert a == b and len(a) == 31
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: bigram_counts([0, 5], vocab_size=3), ValueError, r"must lie in \[0, 3\)"),
+    (lambda: bigram_counts([[0, 1]], vocab_size=3), ValueError, "1-D sequence"),
+    (lambda: bigram_counts(torch.tensor([0.5, 1.0]), vocab_size=3), TypeError, "integer token ids"),
+    (lambda: bigram_counts([0, 1], vocab_size=0), ValueError, "vocab_size must be a positive integer"),
+    (lambda: BigramLM.fit([0, 1], 2, alpha=-1), ValueError, "alpha must be a non-negative number"),
+    (lambda: BigramLM.fit([0, 1], 2).loss([1]), ValueError, "at least 2 tokens"),
+    (lambda: BigramLM.fit([0, 1], 2).sample(2, 3), ValueError, r"token must lie in \[0, 2\)"),
+    (lambda: BigramLM(torch.zeros(2, 3)), ValueError, "square"),
+])
+def test_bad_input_is_rejected_clearly(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
