@@ -46,8 +46,9 @@ def build() -> Path:
     vendor_mathjax()
     BUILD.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=BUILD, prefix=".building-") as tmp:
-        cmd = [str(Path(sys.executable).parent / "jupyter-book"), "build", str(ROOT), "--config", str(ROOT / "book/_config.yml"),
-               "--toc", str(ROOT / "book/_toc.yml"), "--path-output", tmp, "--warningiserror", "--keep-going"]
+        cmd = [str(Path(sys.executable).parent / "jupyter-book"), "build", str(ROOT),
+               "--config", str(ROOT / "book/_config.yml"), "--toc", str(ROOT / "book/_toc.yml"),
+               "--path-output", tmp, "--warningiserror", "--keep-going"]
         result = subprocess.run(cmd, cwd=ROOT)
         if result.returncode != 0:
             sys.exit(f"book build failed (exit {result.returncode}); the previous _build/html is untouched")
