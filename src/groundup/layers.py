@@ -1,0 +1,197 @@
+"""The parts of a transformer block (chapter 6): the norms, the feed-forward network, and the blocks.
+
+A block reads from and writes to the *residual stream* ``x`` of shape ``(batch, seq, d_model)``::
+
+    Post-LN (the seeds' equations, Vaswani et al. 2017)   Pre-LN (GPT-2 onwards, Xiong et al. 2020)
+    x = norm_1(x + attention(x))                          x = x + attention(norm_1(x))
+    x = norm_2(x + ffn(x))                                x = x + ffn(norm_2(x))
+
+The blocks take any ``config`` object with the fields ``d_model, n_heads, d_ff, norm, norm_position,
+dropout`` (for example :class:`groundup.models.GPTConfig`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from groundup.attention import MultiHeadAttention
+
+NORMS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("pre", "post")
+ACTIVATIONS = ("relu", "gelu")
+
+
+def _check_last_dim(x: torch.Tensor, d: int, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} expects a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[-1] != d:
+        raise ValueError(f"{name} expects x with last dimension {d}, got shape {tuple(x.shape)}")
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm(x) = γ ⊙ (x − μ(x)) / sqrt(σ²(x) + ε) + β over the last dimension (PyTorch's ε placement).
+
+    The seeds write σ(x) + ε with σ the (biased) standard deviation; PyTorch and most models put ε under the
+    square root. Both only matter when σ is tiny; chapter 6 shows the difference is negligible.
+    """
+
+    def __init__(self, d: int, *, eps: float = 1e-5):
+        super().__init__()
+        if not isinstance(d, int) or d <= 0:
+            raise ValueError(f"d must be a positive integer, got {d!r}")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps!r}")
+        self.d, self.eps = d, eps
+        self.weight = nn.Parameter(torch.ones(d))  # γ
+        self.bias = nn.Parameter(torch.zeros(d))  # β
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_last_dim(x, self.d, "LayerNorm")
+        mu = x.mean(dim=-1, keepdim=True)
+        var = (x - mu).pow(2).mean(dim=-1, keepdim=True)  # biased variance, 1/d as in the seeds
+        return self.weight * (x - mu) / torch.sqrt(var + self.eps) + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.d}, eps={self.eps}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm(x) = γ ⊙ x / sqrt(mean(x²) + ε) (Zhang & Sennrich 2019): no centring, no shift β."""
+
+    def __init__(self, d: int, *, eps: float = 1e-6):
+        super().__init__()
+        if not isinstance(d, int) or d <= 0:
+            raise ValueError(f"d must be a positive integer, got {d!r}")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps!r}")
+        self.d, self.eps = d, eps
+        self.weight = nn.Parameter(torch.ones(d))  # γ
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_last_dim(x, self.d, "RMSNorm")
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.d}, eps={self.eps}"
+
+
+def make_norm(kind: str, d: int) -> nn.Module:
+    """The norm named by ``kind`` ("layernorm" or "rmsnorm") for vectors of size ``d``."""
+    if kind == "layernorm":
+        return LayerNorm(d)
+    if kind == "rmsnorm":
+        return RMSNorm(d)
+    raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = W_out φ(W_in x + β_in) + β_out, applied to every position separately and identically.
+
+    ``W_in`` maps d_model → d_ff (the hidden size d_FFN), ``W_out`` maps back; φ is ReLU or (exact, erf) GELU.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, *, activation: str = "gelu", dropout: float = 0.0):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        for name, value in (("d_model", d_model), ("d_ff", d_ff)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.d_model, self.d_ff, self.activation = d_model, d_ff, activation
+        self.W_in = nn.Linear(d_model, d_ff)  # weight [d_ff, d_model], bias β_in
+        self.W_out = nn.Linear(d_ff, d_model)  # weight [d_model, d_ff], bias β_out
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_last_dim(x, self.d_model, "FeedForward")
+        h = self.W_in(x)
+        h = F.relu(h) if self.activation == "relu" else F.gelu(h)
+        return self.dropout(self.W_out(h))
+
+
+def _check_config(config) -> None:
+    if config.d_model % config.n_heads != 0:
+        raise ValueError(f"d_model ({config.d_model}) must be divisible by n_heads ({config.n_heads})")
+    if config.norm_position not in NORM_POSITIONS:
+        raise ValueError(f"norm_position must be one of {NORM_POSITIONS}, got {config.norm_position!r}")
+    if config.norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {config.norm!r}")
+
+
+class TransformerBlock(nn.Module):
+    """One block T^(ℓ): self-attention and a feed-forward network, each with a residual connection and a norm.
+
+    ``config.norm_position`` chooses Post-LN ("post", the seeds' equations) or Pre-LN ("pre"); ``config.norm``
+    chooses LayerNorm or RMSNorm. Masks and positional information are passed to :meth:`forward`, so the same
+    block serves a causal decoder (GPT) and a bidirectional encoder.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        _check_config(config)
+        self.norm_position = config.norm_position
+        self.norm_1 = make_norm(config.norm, config.d_model)
+        self.attention = MultiHeadAttention(config.d_model, config.n_heads, dropout=config.dropout)
+        self.norm_2 = make_norm(config.norm, config.d_model)
+        self.ffn = FeedForward(config.d_model, config.d_ff, activation=getattr(config, "activation", "gelu"))
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, *, mask=None, attn_bias=None, rotary=None, positions=None,
+                cache=None) -> torch.Tensor:
+        """Map the residual stream ``x`` (batch, seq, d_model) to the next layer's stream, same shape."""
+        def attend(h):
+            return self.dropout(self.attention(h, mask=mask, attn_bias=attn_bias, rotary=rotary,
+                                               positions=positions, cache=cache))
+
+        if self.norm_position == "pre":
+            x = x + attend(self.norm_1(x))  # read (normalised) from the stream, write the result back
+            x = x + self.dropout(self.ffn(self.norm_2(x)))
+        else:
+            x = self.norm_1(x + attend(x))  # x^(ℓ−1,*) = LayerNorm(x + Attention(x))
+            x = self.norm_2(x + self.dropout(self.ffn(x)))  # x^(ℓ) = LayerNorm(x^(ℓ−1,*) + FFN(x^(ℓ−1,*)))
+        return x
+
+
+class DecoderBlock(nn.Module):
+    """A decoder block of an encoder–decoder model: causal self-attention, cross-attention, FFN.
+
+    The cross-attention takes its queries from the decoder's stream and its keys and values from the
+    encoder's output ``memory`` (batch, source_seq, d_model). Each sub-layer has a residual connection and a
+    norm, placed as ``config.norm_position`` says.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        _check_config(config)
+        self.norm_position = config.norm_position
+        d = config.d_model
+        self.norm_1 = make_norm(config.norm, d)
+        self.self_attention = MultiHeadAttention(d, config.n_heads, dropout=config.dropout)
+        self.norm_2 = make_norm(config.norm, d)
+        self.cross_attention = MultiHeadAttention(d, config.n_heads, dropout=config.dropout)
+        self.norm_3 = make_norm(config.norm, d)
+        self.ffn = FeedForward(d, config.d_ff, activation=getattr(config, "activation", "gelu"))
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, *, mask=None, memory_mask=None, attn_bias=None,
+                rotary=None, positions=None, cache=None) -> torch.Tensor:
+        """``mask``: the decoder's self-attention mask (usually causal); ``memory_mask``: which encoder
+        positions each decoder position may attend to (e.g. padding), broadcastable to (..., seq, source_seq).
+        """
+        if not isinstance(memory, torch.Tensor) or memory.dim() != 3 or memory.shape[-1] != x.shape[-1]:
+            shape = tuple(memory.shape) if isinstance(memory, torch.Tensor) else type(memory).__name__
+            raise ValueError(f"memory must have shape (batch, source_seq, {x.shape[-1]}), got {shape}")
+        sublayers = [
+            (self.norm_1, lambda h: self.self_attention(h, mask=mask, attn_bias=attn_bias, rotary=rotary,
+                                                        positions=positions, cache=cache)),
+            (self.norm_2, lambda h: self.cross_attention(h, memory, mask=memory_mask)),
+            (self.norm_3, self.ffn),
+        ]
+        for norm, f in sublayers:
+            if self.norm_position == "pre":
+                x = x + self.dropout(f(norm(x)))
+            else:
+                x = norm(x + self.dropout(f(x)))
+        return x

@@ -1,0 +1,199 @@
+"""Tests for groundup.models: GPTConfig validation, GPT's forward pass, causality, loss, parameter count."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from groundup.layers import LayerNorm, RMSNorm
+from groundup.models import GPT, POSITIONALS, GPTConfig
+
+SMALL = dict(vocab_size=37, context_length=16, d_model=32, n_layers=2, n_heads=4)
+
+
+def small(**kw) -> GPTConfig:
+    return GPTConfig(**{**SMALL, **kw})
+
+
+def formula_count(c: GPTConfig) -> int:
+    """Parameter count by the chapter's formula, written independently of the model code."""
+    d, f, V, C, H = c.d_model, c.d_ff, c.vocab_size, c.context_length, c.n_heads
+    norm = 2 * d if c.norm == "layernorm" else d
+    per_block = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * norm
+    total = V * d + c.n_layers * per_block
+    total += {"learned": C * d, "relative": H * (C + 1)}.get(c.positional, 0)
+    total += norm if c.norm_position == "pre" else 0
+    total += 0 if c.tie_weights else V * d
+    return total
+
+
+# ---- GPTConfig -------------------------------------------------------------------------------------------
+
+
+def test_config_defaults_and_d_ff():
+    c = GPTConfig()
+    assert c.d_ff == 4 * c.d_model and c.d_head == c.d_model // c.n_heads
+    assert (c.positional, c.norm, c.norm_position, c.tie_weights) == ("learned", "layernorm", "pre", True)
+    assert GPTConfig(d_model=64, d_ff=128).d_ff == 128
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(d_model=30, n_heads=4), r"d_model \(30\) must be divisible by n_heads \(4\)"),
+    (dict(positional="absolute"), "positional must be one of"),
+    (dict(norm="batchnorm"), "norm must be one of"),
+    (dict(norm_position="sandwich"), "norm_position must be one of"),
+    (dict(dropout=1.0), r"dropout must be a number in \[0, 1\)"),
+    (dict(n_layers=0), "n_layers must be a positive integer"),
+    (dict(vocab_size=2.5), "vocab_size must be a positive integer"),
+    (dict(tie_weights="yes"), "tie_weights must be True or False"),
+    (dict(d_model=12, n_heads=4, positional="rope"), "needs an even d_head"),
+])
+def test_config_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        small(**kw)
+
+
+# ---- GPT forward -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("positional", POSITIONALS)
+def test_forward_shapes_and_loss_none(positional):
+    torch.manual_seed(0)
+    model = GPT(small(positional=positional))
+    idx = torch.randint(0, 37, (3, 9))
+    logits, loss = model(idx)
+    assert logits.shape == (3, 9, 37) and loss is None
+
+
+@pytest.mark.parametrize("positional", POSITIONALS)
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_causality_future_token_never_changes_earlier_logits(positional, norm_position):
+    torch.manual_seed(0)
+    model = GPT(small(positional=positional, norm_position=norm_position)).eval()
+    if positional == "relative":  # the bias starts at 0; give it values so it matters
+        with torch.no_grad():
+            model.relative_bias.bias.normal_()
+    idx = torch.randint(0, 37, (2, 12))
+    changed = idx.clone()
+    changed[:, 7] = (changed[:, 7] + 1) % 37
+    a, _ = model(idx)
+    b, _ = model(changed)
+    torch.testing.assert_close(a[:, :7], b[:, :7], atol=1e-5, rtol=0)
+    assert (a[:, 7:] - b[:, 7:]).abs().max() > 1e-4  # ... but does change that position and later ones
+
+
+def test_positional_none_one_layer_cannot_see_order_of_earlier_tokens():
+    # Without positions, one block's output at the last position depends only on the *multiset* of tokens
+    # it attends to (attention is a weighted sum): swapping two earlier tokens leaves those logits unchanged.
+    torch.manual_seed(0)
+    model = GPT(small(positional="none", n_layers=1)).eval()
+    idx = torch.tensor([[1, 2, 3, 4, 5]])
+    swapped = torch.tensor([[2, 1, 3, 4, 5]])
+    torch.testing.assert_close(model(idx)[0][0, -1], model(swapped)[0][0, -1], atol=1e-5, rtol=0)
+    learned = GPT(small(positional="learned", n_layers=1)).eval()
+    assert not torch.allclose(learned(idx)[0][0, -1], learned(swapped)[0][0, -1], atol=1e-5)
+
+
+def test_loss_at_initialisation_is_close_to_ln_vocab_size():
+    torch.manual_seed(0)
+    c = GPTConfig(vocab_size=65, context_length=32, d_model=64, n_layers=4, n_heads=4)
+    idx = torch.randint(0, 65, (8, 32))
+    _, loss = GPT(c)(idx, torch.roll(idx, -1, dims=1))
+    assert abs(loss.item() - math.log(65)) < 0.05
+
+
+def test_untied_loss_at_initialisation_is_ln_vocab_plus_half_logit_variance():
+    # Untied, the unembedding has entries N(0, 1/d_model) (chapter 3): logits have variance ≈ 1 and
+    # E[loss] ≈ ln n_V + 1/2 (the log-sum-exp of n_V Gaussians of variance s² is ≈ ln n_V + s²/2).
+    torch.manual_seed(0)
+    c = GPTConfig(vocab_size=65, context_length=32, d_model=64, n_layers=4, n_heads=4, tie_weights=False)
+    idx = torch.randint(0, 65, (8, 32))
+    _, loss = GPT(c)(idx, torch.roll(idx, -1, dims=1))
+    assert abs(loss.item() - (math.log(65) + 0.5)) < 0.2
+
+
+def test_loss_is_mean_cross_entropy_of_logits():
+    torch.manual_seed(0)
+    model = GPT(small())
+    idx, targets = torch.randint(0, 37, (2, 10)), torch.randint(0, 37, (2, 10))
+    logits, loss = model(idx, targets)
+    log_probs = logits.log_softmax(-1)
+    manual = -log_probs.gather(-1, targets[..., None]).mean()
+    torch.testing.assert_close(loss, manual)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.transpose(1, 2), targets))
+
+
+def test_weight_tying_shares_one_parameter():
+    model = GPT(small(tie_weights=True))
+    assert model.unembedding.weight is model.token_embedding.weight
+    untied = GPT(small(tie_weights=False))
+    assert untied.unembedding.weight is not untied.token_embedding.weight
+
+
+@pytest.mark.parametrize("kw", [
+    {}, dict(tie_weights=False), dict(norm="rmsnorm"), dict(norm_position="post"), dict(positional="relative"),
+    dict(positional="rope", norm="rmsnorm"), dict(positional="sinusoidal"), dict(positional="alibi", d_ff=50),
+])
+def test_parameter_count_matches_formula(kw):
+    c = small(**kw)
+    assert sum(p.numel() for p in GPT(c).parameters()) == formula_count(c)
+
+
+def test_norm_choices_and_final_norm():
+    assert isinstance(GPT(small()).final_norm, LayerNorm)
+    assert isinstance(GPT(small(norm="rmsnorm")).final_norm, RMSNorm)
+    assert isinstance(GPT(small(norm_position="post")).final_norm, nn.Identity)
+
+
+def test_residual_projections_are_scaled_at_init():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=128, n_layers=8, n_heads=4, vocab_size=50))
+    w_in = torch.cat([b.ffn.W_in.weight.flatten() for b in model.blocks])
+    w_out = torch.cat([b.ffn.W_out.weight.flatten() for b in model.blocks])
+    assert abs(w_in.std().item() - 0.02) < 0.001
+    assert abs(w_out.std().item() - 0.02 / math.sqrt(16)) < 0.0005
+
+
+# ---- errors ----------------------------------------------------------------------------------------------
+
+
+def test_too_long_input_names_both_numbers():
+    model = GPT(small())
+    with pytest.raises(ValueError, match="sequence length 17.*context_length 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_bad_idx():
+    model = GPT(small())
+    with pytest.raises(TypeError, match="idx must hold integer token ids"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(TypeError, match="idx must be a torch.Tensor"):
+        model([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"idx must have shape \(batch, seq\)"):
+        model(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"targets must have the same shape as idx \(1, 4\)"):
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="config must be a GPTConfig"):
+        GPT(dict(SMALL))
+
+
+# ---- KV cache (used by chapter 8) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("positional", POSITIONALS)
+def test_cached_forward_equals_full_forward(positional):
+    torch.manual_seed(0)
+    model = GPT(small(positional=positional)).eval()
+    if positional == "relative":
+        with torch.no_grad():
+            model.relative_bias.bias.normal_()
+    idx = torch.randint(0, 37, (2, 10))
+    full, _ = model(idx)
+    cache = model.new_cache()
+    first, _ = model(idx[:, :6], cache=cache)
+    steps = [model(idx[:, t:t + 1], cache=cache)[0] for t in range(6, 10)]
+    torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"sequence length 17 \(7 new tokens after 10 cached\).*16"):
+        model(idx[:, :7], cache=cache)
