@@ -1,4 +1,4 @@
-"""Attention speed: our MultiHeadAttention against torch.nn.MultiheadAttention, and our explicit path against SDPA.
+"""Attention speed: our MultiHeadAttention vs torch.nn.MultiheadAttention, our explicit path vs SDPA.
 
 The shape is a small GPT's: batch 8, sequence 256, d_model 384, 6 heads (d_head 64). Every figure is the median
 forward+backward time; the two sides of each comparison are timed alternately in the same run.
