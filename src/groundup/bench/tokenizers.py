@@ -1,0 +1,77 @@
+"""Our byte-level BPE against the ``tokenizers`` library (Hugging Face, Rust), trained on the same text.
+
+Apples to apples: the library gets a ByteLevel pre-tokenizer (the GPT-2 split pattern, no prefix space) and
+a BpeTrainer with the same vocabulary size and the 256-byte initial alphabet. Training: 1 MB of Shakespeare
+(tiny Shakespeare, else the first 1 MB of the corpus) to vocabulary 1024. Encoding: the whole 5 MB corpus
+with the tokenizers trained above; our per-chunk cache is emptied before every timed run, so each run
+starts cold. Targets (DESIGN section 8): training at most 3x and encoding at most 2x the library's time;
+bytes per token within 5 % of the library's.
+"""
+
+from __future__ import annotations
+
+from groundup.bench import Row, median_time
+from groundup.data import load_corpus
+from groundup.tokenizers import BPETokenizer
+
+VOCAB_SIZE = 1024
+
+
+def training_text() -> tuple[str, str]:
+    """About 1 MB of Shakespeare and its name."""
+    try:
+        return load_corpus("tinyshakespeare"), "tiny Shakespeare"
+    except Exception:  # noqa: BLE001 -- offline without the tiny file: fall back to the main corpus
+        return load_corpus("shakespeare")[:1_000_000], "first 1 MB of the corpus"
+
+
+def library_tokenizer(text: str, vocab_size: int = VOCAB_SIZE):
+    """The ``tokenizers`` library's byte-level BPE trained on ``text`` (imported here: a dev dependency)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    return tok
+
+
+def run() -> list[Row]:
+    small, small_name = training_text()
+    corpus = load_corpus("shakespeare")
+    mb_small, mb_corpus = len(small.encode()) / 1e6, len(corpus.encode()) / 1e6
+
+    ours = BPETokenizer.train(small, VOCAB_SIZE)  # these first runs are the warm-up
+    lib = library_tokenizer(small)
+    t_ours = median_time(lambda: BPETokenizer.train(small, VOCAB_SIZE), repeat=5, warmup=0)
+    t_lib = median_time(lambda: library_tokenizer(small), repeat=5, warmup=0)
+
+    n_tokens = {}
+
+    def encode_ours():
+        ours._cache.clear()
+        n_tokens["groundup"] = len(ours.encode(corpus))
+
+    def encode_lib():
+        n_tokens["tokenizers"] = len(lib.encode(corpus).ids)
+
+    e_ours = median_time(encode_ours, repeat=3, warmup=0)
+    e_lib = median_time(encode_lib, repeat=3, warmup=0)
+    bpt_ours = mb_corpus * 1e6 / n_tokens["groundup"]
+    bpt_lib = mb_corpus * 1e6 / n_tokens["tokenizers"]
+
+    train_note = f"{small_name}, {mb_small:.2f} MB, vocab {VOCAB_SIZE}"
+    enc_note = f"{mb_corpus:.2f} MB corpus, one string"
+    return [
+        Row("BPE training, groundup", t_ours, "s", train_note),
+        Row("BPE training, tokenizers", t_lib, "s", train_note),
+        Row("BPE training ratio", t_ours / t_lib, "x", "groundup / tokenizers (target <= 3)"),
+        Row("BPE encoding, groundup", e_ours, "s", enc_note + f", {mb_corpus / e_ours:.2f} MB/s, cold cache"),
+        Row("BPE encoding, tokenizers", e_lib, "s", enc_note + f", {mb_corpus / e_lib:.2f} MB/s"),
+        Row("BPE encoding ratio", e_ours / e_lib, "x", "groundup / tokenizers (target <= 2)"),
+        Row("bytes per token, groundup", bpt_ours, "B/token", f"vocab {ours.vocab_size}, whole corpus"),
+        Row("bytes per token, tokenizers", bpt_lib, "B/token", f"vocab {lib.get_vocab_size()}, whole corpus"),
+        Row("bytes per token ratio", bpt_ours / bpt_lib, "x", "groundup / tokenizers (target within 5 %)"),
+    ]
