@@ -1,0 +1,126 @@
+"""Checkers for chapter 4 (positional encoding): the sinusoidal table, RoPE's rotation, ALiBi's slopes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from groundup.exercises.checking import expect, expect_close, run_checks
+from groundup.positional import RotaryEmbedding, alibi_slopes, sinusoidal_encoding
+
+__all__ = ["check_alibi_slopes", "check_apply_rotary", "check_sinusoidal_encoding"]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-4) -> bool:
+    return a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=atol, rtol=0)
+
+
+def check_sinusoidal_encoding(fn: Callable) -> bool:
+    """Exercise 4.1: ``fn(n_positions, d_model)`` returns P[k, 2i] = sin(k / 10000^(2i/d)), P[k, 2i+1] = cos(...)."""
+
+    def checks():
+        got = fn(6, 4)
+        expect(isinstance(got, torch.Tensor), f"sinusoidal(6, 4) returned a {type(got).__name__}",
+               "Return a torch.Tensor of shape [n_positions, d_model].")
+        expect(tuple(got.shape) == (6, 4), f"sinusoidal(6, 4) has shape {tuple(got.shape)}, expected (6, 4)",
+               "One row per position k = 0..n_positions-1, one column per dimension.")
+        got = got.detach().double()
+        expected = sinusoidal_encoding(6, 4).double()
+        hint = "Column 2i holds sin(k / 10000**(2i/d)) and column 2i+1 holds cos of the same angle; k starts at 0."
+        if _close(got[:, [1, 0, 3, 2]], expected):
+            hint = "You swapped sine and cosine: even columns (0, 2, ...) are sines, odd columns are cosines."
+        elif _close(got, torch.cat([expected[:, 0::2], expected[:, 1::2]], dim=1)):
+            hint = ("You put all sines first and all cosines after. The formula interleaves them: column 2i is a sine, "
+                    "column 2i+1 the cosine of the same angle.")
+        elif _close(got, sinusoidal_encoding(7, 4).double()[1:]):
+            hint = "Your positions start at 1; count them from k = 0 (so row 0 is [0, 1, 0, 1])."
+        else:
+            k = torch.arange(6.0, dtype=torch.float64)[:, None]
+            wrong = k / 10000.0 ** (torch.arange(2, dtype=torch.float64) / 4)
+            alt = torch.stack([wrong.sin(), wrong.cos()], dim=-1).flatten(1)
+            if _close(got, alt):
+                hint = "The exponent is 2i/d with i the pair index (0, 1, ...), not i/d: frequencies are 10000^(-2i/d)."
+        expect_close(got, expected, "sinusoidal(6, 4)", hint, atol=1e-5)
+        k, d = 37, 16
+        big = fn(50, d).detach().double()
+        expect(tuple(big.shape) == (50, d), f"sinusoidal(50, 16) has shape {tuple(big.shape)}",
+               "Use the arguments; do not hard-code the sizes.")
+        for i in (0, 3, 7):
+            angle = k / 10000.0 ** (2 * i / d)
+            expect_close(big[k, 2 * i:2 * i + 2], torch.tensor([math.sin(angle), math.cos(angle)]),
+                         f"sinusoidal(50, 16)[{k}, {2 * i}:{2 * i + 2}] (pair i={i})", hint, atol=1e-5)
+
+    return run_checks("Exercise 4.1 (sinusoidal table)", checks,
+                      "Every row is bounded by 1 and every position gets its own pattern.")
+
+
+def check_apply_rotary(fn: Callable) -> bool:
+    """Exercise 4.2: ``fn(x, positions)`` rotates pairs (2i, 2i+1) of x (..., seq, d) by positions * 10000^(-2i/d)."""
+
+    def checks():
+        x = torch.tensor([[1.0, 0.0]] * 3, dtype=torch.float64)
+        positions = torch.tensor([0, 1, 2])
+        got = fn(x, positions)
+        expect(isinstance(got, torch.Tensor), f"rope(x, positions) returned a {type(got).__name__}",
+               "Return a torch.Tensor with the same shape as x.")
+        expect(tuple(got.shape) == (3, 2), f"rope of x with shape (3, 2) returned shape {tuple(got.shape)}",
+               "The output has the same shape as x.")
+        expected = torch.tensor([[1.0, 0.0], [math.cos(1), math.sin(1)], [math.cos(2), math.sin(2)]])
+        hint = ("At position t the pair (x0, x1) becomes (x0 cos wt - x1 sin wt, x0 sin wt + x1 cos wt), the "
+                "rotation R_t of the chapter.")
+        if _close(got.detach(), expected * torch.tensor([1.0, -1.0])):
+            hint = "You rotate clockwise: R_t = [[cos, -sin], [sin, cos]] sends (1, 0) to (cos wt, +sin wt)."
+        expect_close(got, expected, "rope(x, positions) for d=2, x = (1, 0) at positions 0, 1, 2", hint, atol=1e-5)
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64)
+        positions = torch.tensor([0, 3, 4, 10, 11])
+        got = fn(x, positions)
+        expected = RotaryEmbedding(8).apply_rotary(x, positions)
+        hint = "Pair i uses the frequency 10000**(-2i/d) and the dimensions (2i, 2i+1); positions index the seq axis."
+        if isinstance(got, torch.Tensor) and got.shape == x.shape:
+            # the (i, i + d/2) pairing: interleave the halves, rotate, then split them again
+            paired = torch.stack([x[..., :4], x[..., 4:]], dim=-1).flatten(-2)
+            other = RotaryEmbedding(8).apply_rotary(paired, positions)
+            other = torch.cat([other[..., 0::2], other[..., 1::2]], dim=-1)
+            if _close(got.detach(), other):
+                hint = ("You paired dimension i with i + d/2. This chapter pairs neighbours (2i, 2i+1): use "
+                        "x[..., 0::2] and x[..., 1::2].")
+            elif _close(got.detach(), RotaryEmbedding(8).apply_rotary(x, torch.arange(5))):
+                hint = "Use the given positions (here 0, 3, 4, 10, 11), not 0, 1, 2, ..."
+        expect_close(got, expected, "rope of x with shape (2, 3, 5, 8) at positions [0, 3, 4, 10, 11]", hint,
+                     atol=1e-5)
+        expect_close(got.norm(dim=-1), x.norm(dim=-1), "the norms of the rotated vectors",
+                     "A rotation preserves lengths.", atol=1e-5)
+
+    return run_checks("Exercise 4.2 (rotary embedding)", checks,
+                      "Now <R_t q, R_i k> depends only on i - t.")
+
+
+def check_alibi_slopes(fn: Callable) -> bool:
+    """Exercise 4.3: ``fn(n_heads)`` returns ALiBi's slopes m_h = 2^(-8h/n_heads), h = 1..n_heads."""
+
+    def checks():
+        for n_heads in (8, 4, 12, 1):
+            got = fn(n_heads)
+            try:
+                got = torch.as_tensor(got, dtype=torch.float64).flatten()
+            except (TypeError, ValueError, RuntimeError):
+                expect(False, f"alibi_slopes({n_heads}) returned a {type(got).__name__}",
+                       "Return a list or a 1-D tensor of n_heads numbers.")
+            expected = alibi_slopes(n_heads).double()
+            expect(got.numel() == n_heads, f"alibi_slopes({n_heads}) has {got.numel()} entries, expected {n_heads}",
+                   "One slope per head.")
+            h = torch.arange(n_heads, dtype=torch.float64)
+            hint = "Head h = 1, 2, ..., n_heads gets the slope 2 ** (-8 * h / n_heads); the first is 2**(-8/n_heads)."
+            if _close(got, 2.0 ** (-8 * h / n_heads), atol=1e-9):
+                hint = "Count the heads from h = 1, not 0: the first slope is 2**(-8/n_heads), not 1."
+            elif _close(got, expected.flip(0), atol=1e-9):
+                hint = "Your slopes are in the reverse order: they should decrease from head 1 to head n_heads."
+            elif _close(got, -expected, atol=1e-9):
+                hint = "The slopes are positive; the bias -m_h * (t - i) carries the minus sign."
+            expect_close(got, expected, f"alibi_slopes({n_heads})", hint, rtol=1e-6, atol=1e-9)
+
+    return run_checks("Exercise 4.3 (ALiBi slopes)", checks,
+                      "A geometric sequence: each head looks back over a different distance.")
