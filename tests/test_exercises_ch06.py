@@ -1,0 +1,146 @@
+"""Each chapter-6 checker accepts the reference solution (the notebook's hidden one), rejects plausible wrong
+answers with a helpful message, and treats the unattempted stub kindly."""
+
+import pytest
+import torch
+
+from groundup.exercises.ch06 import check_layer_norm, check_parameter_count, check_pre_ln_block, check_rms_norm
+
+# --- reference solutions (the same code as the notebook's hidden solution cells) ---------------------------
+
+
+def layer_norm(x, weight, bias, eps):
+    mu = x.mean(dim=-1, keepdim=True)
+    var = (x - mu).pow(2).mean(dim=-1, keepdim=True)
+    return weight * (x - mu) / torch.sqrt(var + eps) + bias
+
+
+def rms_norm(x, weight, eps):
+    return weight * x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def pre_ln_block(x, block, mask):
+    x = x + block.attention(block.norm_1(x), mask=mask)
+    return x + block.ffn(block.norm_2(x))
+
+
+def count_parameters(c):
+    d, f = c.d_model, c.d_ff
+    norm = 2 * d if c.norm == "layernorm" else d
+    block = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * norm
+    total = c.vocab_size * d + c.n_layers * block
+    if c.positional == "learned":
+        total += c.context_length * d
+    if c.positional == "relative":
+        total += c.n_heads * (c.context_length + 1)
+    if c.norm_position == "pre":
+        total += norm
+    if not c.tie_weights:
+        total += c.vocab_size * d
+    return total
+
+
+def stub(*args):
+    raise NotImplementedError
+
+
+# --- wrong answers --------------------------------------------------------------------------------------------
+
+
+def layer_norm_unbiased(x, weight, bias, eps):
+    return weight * (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True) + eps) + bias
+
+
+def layer_norm_seeds_eps(x, weight, bias, eps):
+    mu = x.mean(dim=-1, keepdim=True)
+    sigma = (x - mu).pow(2).mean(dim=-1, keepdim=True).sqrt()
+    return weight * (x - mu) / (sigma + eps) + bias
+
+
+def layer_norm_no_affine(x, weight, bias, eps):
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], eps=eps)
+
+
+def rms_norm_centred(x, weight, eps):
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, None, eps)
+
+
+def rms_norm_euclidean(x, weight, eps):
+    return weight * x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def post_ln_block(x, block, mask):
+    x = block.norm_1(x + block.attention(x, mask=mask))
+    return block.norm_2(x + block.ffn(x))
+
+
+def pre_ln_block_no_mask(x, block, mask):
+    x = x + block.attention(block.norm_1(x))
+    return x + block.ffn(block.norm_2(x))
+
+
+def pre_ln_block_no_second_residual(x, block, mask):
+    x = x + block.attention(block.norm_1(x), mask=mask)
+    return block.ffn(block.norm_2(x))
+
+
+def count_forgets_tying(c):
+    return count_parameters(c) + (c.vocab_size * c.d_model if c.tie_weights else 0)
+
+
+def count_always_final_norm(c):
+    extra = 2 * c.d_model if c.norm == "layernorm" else c.d_model
+    return count_parameters(c) + (extra if c.norm_position == "post" else 0)
+
+
+def count_float(c):
+    return float(count_parameters(c))
+
+
+# --- tests ----------------------------------------------------------------------------------------------------
+
+CHECKERS = [
+    (check_layer_norm, layer_norm),
+    (check_rms_norm, rms_norm),
+    (check_pre_ln_block, pre_ln_block),
+    (check_parameter_count, count_parameters),
+]
+
+
+@pytest.mark.parametrize("checker,solution", CHECKERS)
+def test_reference_solution_passes(checker, solution, capsys):
+    assert checker(solution) is True
+    assert "✅" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("checker,solution", CHECKERS)
+def test_stub_is_not_attempted(checker, solution, capsys):
+    assert checker(stub) is False
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("checker,wrong,hint", [
+    (check_layer_norm, layer_norm_unbiased, "unbiased variance"),
+    (check_layer_norm, layer_norm_seeds_eps, "seeds' σ + ε"),
+    (check_layer_norm, layer_norm_no_affine, "forgot the learned scale and shift"),
+    (check_rms_norm, rms_norm_centred, "does not centre"),
+    (check_rms_norm, rms_norm_euclidean, "mean of the squares"),
+    (check_pre_ln_block, post_ln_block, "Post-LN"),
+    (check_pre_ln_block, pre_ln_block_no_mask, "Pass mask=mask"),
+    (check_pre_ln_block, pre_ln_block_no_second_residual, "second residual connection"),
+    (check_parameter_count, count_forgets_tying, "count it once"),
+    (check_parameter_count, count_always_final_norm, "only Pre-LN has a final norm"),
+    (check_parameter_count, count_float, "Return a Python int"),
+])
+def test_wrong_answers_are_rejected_with_a_hint(checker, wrong, hint, capsys):
+    assert checker(wrong) is False
+    out = capsys.readouterr().out
+    assert "❌" in out and hint in out, out
+
+
+def test_crashing_solution_becomes_a_verdict(capsys):
+    def crashes(x, weight, bias, eps):
+        return x @ torch.ones(3, 3)
+
+    assert check_layer_norm(crashes) is False
+    assert "raised RuntimeError" in capsys.readouterr().out
