@@ -3,7 +3,7 @@
     python tools/run_notebook.py notebooks/01_language_models.ipynb [more.ipynb ...]
 
 Syncs the badge and setup cells first, runs each notebook from a fresh kernel in ``notebooks/``, numbers
-the cells 1..n and drops per-cell timing metadata, so the stored outputs are what a fresh run prints.
+the cells 1..n, sets the standard kernelspec and drops per-cell timing metadata, so the stored outputs are what a fresh run prints.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import sync_notebooks  # noqa: E402
 def run(path: Path, timeout: int = 900) -> float:
     sync_notebooks.main([str(path)])
     nb = nbformat.read(path, as_version=4)
+    nb.metadata.pop("jupytext", None)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     start = time.perf_counter()
     NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
                    record_timing=False).execute()
