@@ -3,7 +3,8 @@
     python tools/run_notebook.py notebooks/01_language_models.ipynb [more.ipynb ...]
 
 Syncs the badge and setup cells first, runs each notebook from a fresh kernel in ``notebooks/``, numbers
-the cells 1..n, sets the standard kernelspec and drops per-cell timing metadata, so the stored outputs are what a fresh run prints.
+the cells 1..n, sets the standard kernelspec and drops per-cell timing metadata, so the stored outputs are
+what a fresh run prints.
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
