@@ -1,0 +1,43 @@
+"""Static checks on the built HTML: every chapter is there, with its links, and nothing loads from the internet."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
+REMOTE = re.compile(r"""<(script|img|link|iframe)\b[^>]*\b(src|href)=["'](https?:)?//""", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_chapter_page_has_badge_download_and_hidden_solutions(html_root, nb):
+    page = html_root / "notebooks" / f"{nb.stem}.html"
+    assert page.exists(), f"{nb.name} has no page in the built book"
+    html = page.read_text(encoding="utf-8")
+    assert re.search(rf'href="https://colab\.research\.google\.com/github/[^"]+/{nb.name}"', html), "no Colab link"
+    assert re.search(rf'href="[^"]+/raw/main/notebooks/{nb.name}"', html), "no download link"
+    assert "_sources/notebooks/" + nb.name in html, "the theme's download button for the .ipynb is missing"
+    assert html.count("tag_hide-cell") >= 4, "the exercise solutions must be hidden behind a toggle"
+    assert "# Setup: on Colab" not in html, "the Colab-only setup cell must not show in the book"
+
+
+def test_no_page_loads_anything_from_the_internet(html_root):
+    pages = list(html_root.rglob("*.html"))
+    assert len(pages) > 5
+    for page in pages:
+        match = REMOTE.search(page.read_text(encoding="utf-8"))
+        assert not match, f"{page.relative_to(html_root)} loads a remote resource: {match.group(0)}"
+
+
+def test_mathjax_is_served_locally(html_root):
+    html = (html_root / "notebooks" / "01_language_models.html").read_text(encoding="utf-8")
+    assert re.search(r'src="\.\./_static/mathjax/tex-chtml\.js', html)
+    assert (html_root / "_static" / "mathjax" / "tex-chtml.js").stat().st_size > 100_000
+    assert (html_root / "_static" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2").is_dir()
+
+
+def test_front_matter_pages_exist(html_root):
+    for page in ("preface", "setup", "notation", "references"):
+        assert (html_root / "book" / f"{page}.html").exists(), f"book/{page} is missing"
+    references = (html_root / "book" / "references.html").read_text(encoding="utf-8")
+    assert "attention is all you need" in references.lower() and "{bibliography}" not in references
