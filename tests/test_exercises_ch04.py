@@ -1,10 +1,17 @@
 """Each chapter-4 checker accepts the reference solution (the notebook's hidden one), rejects plausible wrong
 answers with a helpful message, and treats the unattempted stub kindly."""
 
+import math
+
 import pytest
 import torch
 
-from groundup.exercises.ch04 import check_alibi_slopes, check_apply_rotary, check_sinusoidal_encoding
+from groundup.exercises.ch04 import (
+    check_alibi_half_life,
+    check_apply_rotary,
+    check_shift_matrix,
+    check_sinusoidal_encoding,
+)
 
 # --- reference solutions (the same code as the notebook's hidden solution cells) ---------------------------
 
@@ -28,8 +35,19 @@ def rope(x, positions):
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
 
 
-def alibi_slopes(n_heads):
-    return [2.0 ** (-8 * h / n_heads) for h in range(1, n_heads + 1)]
+def shift_matrix(delta, d_model):
+    M = torch.zeros(d_model, d_model, dtype=torch.float64)
+    for i in range(d_model // 2):
+        b = delta / 10000.0 ** (2 * i / d_model)  # the angle a shift by delta adds to pair i
+        # sin(a + b) = cos b sin a + sin b cos a;  cos(a + b) = -sin b sin a + cos b cos a
+        M[2 * i, 2 * i], M[2 * i, 2 * i + 1] = math.cos(b), math.sin(b)
+        M[2 * i + 1, 2 * i], M[2 * i + 1, 2 * i + 1] = -math.sin(b), math.cos(b)
+    return M
+
+
+def half_life(n_heads):
+    slopes = [2.0 ** (-8 * h / n_heads) for h in range(1, n_heads + 1)]
+    return [math.log(2) / m for m in slopes]  # exp(-m * distance) = 1/2
 
 
 def stub(*args):
@@ -75,16 +93,28 @@ def rope_ignores_positions(x, positions):
     return rope(x, torch.arange(x.shape[-2]))
 
 
-def slopes_from_zero(n_heads):
-    return [2.0 ** (-8 * h / n_heads) for h in range(n_heads)]
+def shift_transposed(delta, d_model):
+    return shift_matrix(delta, d_model).T
 
 
-def slopes_reversed(n_heads):
-    return alibi_slopes(n_heads)[::-1]
+def shift_backwards(delta, d_model):
+    return shift_matrix(-delta, d_model)
 
 
-def slopes_negative(n_heads):
-    return [-m for m in alibi_slopes(n_heads)]
+def half_life_inverse_slope(n_heads):
+    return [1 / (2.0 ** (-8 * h / n_heads)) for h in range(1, n_heads + 1)]
+
+
+def half_life_from_zero(n_heads):
+    return [math.log(2) / 2.0 ** (-8 * h / n_heads) for h in range(n_heads)]
+
+
+def half_life_reversed(n_heads):
+    return half_life(n_heads)[::-1]
+
+
+def half_life_times_slope(n_heads):
+    return [math.log(2) * 2.0 ** (-8 * h / n_heads) for h in range(1, n_heads + 1)]
 
 
 # --- tests ------------------------------------------------------------------------------------------------------
@@ -93,14 +123,16 @@ def slopes_negative(n_heads):
 @pytest.mark.parametrize("checker, solution", [
     (check_sinusoidal_encoding, sinusoidal),
     (check_apply_rotary, rope),
-    (check_alibi_slopes, alibi_slopes),
+    (check_shift_matrix, shift_matrix),
+    (check_alibi_half_life, half_life),
 ])
 def test_reference_solution_passes(checker, solution, capsys):
     assert checker(solution) is True
     assert "✅" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("checker", [check_sinusoidal_encoding, check_apply_rotary, check_alibi_slopes])
+@pytest.mark.parametrize("checker", [check_sinusoidal_encoding, check_shift_matrix, check_apply_rotary,
+                                     check_alibi_half_life])
 def test_stub_is_not_attempted(checker, capsys):
     assert checker(stub) is False
     assert "not attempted yet" in capsys.readouterr().out
@@ -116,10 +148,15 @@ def test_stub_is_not_attempted(checker, capsys):
     (check_apply_rotary, rope_half_split, "paired dimension i with i + d/2"),
     (check_apply_rotary, rope_ignores_positions, "Use the given positions"),
     (check_apply_rotary, lambda x, p: x, "rotation R_t"),
-    (check_alibi_slopes, slopes_from_zero, "from h = 1"),
-    (check_alibi_slopes, slopes_reversed, "reverse order"),
-    (check_alibi_slopes, slopes_negative, "slopes are positive"),
-    (check_alibi_slopes, lambda n: [0.5] * (n + 1), "expected"),
+    (check_shift_matrix, shift_transposed, "transpose"),
+    (check_shift_matrix, shift_backwards, "shifts backwards"),
+    (check_shift_matrix, lambda delta, d: torch.eye(d), "angle-addition"),
+    (check_shift_matrix, lambda delta, d: shift_matrix(delta, 4), "Use the arguments"),
+    (check_alibi_half_life, half_life_inverse_slope, "ln 2 / m_h"),
+    (check_alibi_half_life, half_life_from_zero, "from h = 1"),
+    (check_alibi_half_life, half_life_reversed, "reverse order"),
+    (check_alibi_half_life, half_life_times_slope, "multiplied by the slope"),
+    (check_alibi_half_life, lambda n: [0.5] * (n + 1), "expected"),
 ])
 def test_wrong_answers_fail_with_a_hint(checker, wrong, hint, capsys):
     assert checker(wrong) is False

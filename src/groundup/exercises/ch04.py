@@ -1,4 +1,4 @@
-"""Checkers for chapter 4 (positional encoding): the sinusoidal table, RoPE's rotation, ALiBi's slopes."""
+"""Checkers for chapter 4 (positional encoding): the sinusoidal table and its shift matrix, RoPE, ALiBi's reach."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from groundup.exercises.checking import expect, expect_close, run_checks
 from groundup.positional import RotaryEmbedding, alibi_slopes, sinusoidal_encoding
 
-__all__ = ["check_alibi_slopes", "check_apply_rotary", "check_sinusoidal_encoding"]
+__all__ = ["check_alibi_half_life", "check_apply_rotary", "check_shift_matrix", "check_sinusoidal_encoding"]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-4) -> bool:
@@ -57,7 +57,7 @@ def check_sinusoidal_encoding(fn: Callable) -> bool:
 
 
 def check_apply_rotary(fn: Callable) -> bool:
-    """Exercise 4.2: ``fn(x, positions)`` rotates pairs (2i, 2i+1) of x (..., seq, d) by positions * 10000^(-2i/d)."""
+    """Exercise 4.3: ``fn(x, positions)`` rotates pairs (2i, 2i+1) of x (..., seq, d) by positions * 10000^(-2i/d)."""
 
     def checks():
         x = torch.tensor([[1.0, 0.0]] * 3, dtype=torch.float64)
@@ -94,12 +94,39 @@ def check_apply_rotary(fn: Callable) -> bool:
         expect_close(got.norm(dim=-1), x.norm(dim=-1), "the norms of the rotated vectors",
                      "A rotation preserves lengths.", atol=1e-5)
 
-    return run_checks("Exercise 4.2 (rotary embedding)", checks,
+    return run_checks("Exercise 4.3 (rotary embedding)", checks,
                       "Now <R_t q, R_i k> depends only on i - t.")
 
 
-def check_alibi_slopes(fn: Callable) -> bool:
-    """Exercise 4.3: ``fn(n_heads)`` returns ALiBi's slopes m_h = 2^(-8h/n_heads), h = 1..n_heads."""
+def check_shift_matrix(fn: Callable) -> bool:
+    """Exercise 4.2: ``fn(delta, d_model)`` returns M with P(k + delta) = M P(k) for every k (sinusoidal P)."""
+
+    def checks():
+        got = fn(3, 4)
+        expect(isinstance(got, torch.Tensor), f"shift_matrix(3, 4) returned a {type(got).__name__}",
+               "Return a torch.Tensor of shape [d_model, d_model].")
+        expect(tuple(got.shape) == (4, 4), f"shift_matrix(3, 4) has shape {tuple(got.shape)}, expected (4, 4)",
+               "M maps one row of the table (d_model numbers) to another: shape [d_model, d_model].")
+        for delta, d in ((3, 4), (7, 8), (1, 16), (0, 6)):
+            M = fn(delta, d).detach().double()
+            expect(tuple(M.shape) == (d, d), f"shift_matrix({delta}, {d}) has shape {tuple(M.shape)}",
+                   "Use the arguments: shape [d_model, d_model].")
+            P = sinusoidal_encoding(40 + delta, d).double()
+            moved = P[:40] @ M.T  # row k becomes M P(k)
+            hint = ("Pair i needs the 2x2 block that sends (sin a, cos a) to (sin(a + b), cos(a + b)) with "
+                    "b = delta / 10000**(2i/d): use the angle-addition formulas. All other entries are 0.")
+            if _close(P[:40] @ M, P[delta:40 + delta], atol=1e-5):
+                hint = ("Your M is transposed, so it shifts backwards to P(k - delta): M_delta P(k) must equal "
+                        "P(k + delta), so row 2i of M is (cos b, sin b) and row 2i+1 is (-sin b, cos b).")
+            expect_close(moved, P[delta:40 + delta], f"shift_matrix({delta}, {d}) applied to P(k), k = 0..39, "
+                         f"compared with P(k + {delta})", hint, atol=1e-5)
+
+    return run_checks("Exercise 4.2 (sinusoidal shift matrix)", checks,
+                      "The same M works at every position k: a shift of the position is a rotation.")
+
+
+def check_alibi_half_life(fn: Callable) -> bool:
+    """Exercise 4.4: ``fn(n_heads)`` returns, per head, the distance at which ALiBi alone halves the weight."""
 
     def checks():
         for n_heads in (8, 4, 12, 1):
@@ -107,20 +134,24 @@ def check_alibi_slopes(fn: Callable) -> bool:
             try:
                 got = torch.as_tensor(got, dtype=torch.float64).flatten()
             except (TypeError, ValueError, RuntimeError):
-                expect(False, f"alibi_slopes({n_heads}) returned a {type(got).__name__}",
+                expect(False, f"half_life({n_heads}) returned a {type(got).__name__}",
                        "Return a list or a 1-D tensor of n_heads numbers.")
-            expected = alibi_slopes(n_heads).double()
-            expect(got.numel() == n_heads, f"alibi_slopes({n_heads}) has {got.numel()} entries, expected {n_heads}",
-                   "One slope per head.")
+            expect(got.numel() == n_heads, f"half_life({n_heads}) has {got.numel()} entries, expected {n_heads}",
+                   "One distance per head.")
+            slopes = alibi_slopes(n_heads).double()
+            expected = math.log(2) / slopes
             h = torch.arange(n_heads, dtype=torch.float64)
-            hint = "Head h = 1, 2, ..., n_heads gets the slope 2 ** (-8 * h / n_heads); the first is 2**(-8/n_heads)."
-            if _close(got, 2.0 ** (-8 * h / n_heads), atol=1e-9):
+            hint = ("The weight is proportional to exp(s - m_h * distance); it halves when m_h * distance = ln 2. "
+                    "Head h = 1..n_heads has slope m_h = 2**(-8h/n_heads).")
+            if _close(got, 1 / slopes, atol=1e-6):
+                hint = "1/m_h is where the bias reaches -1 (weight / e). For a factor 1/2 you need ln 2 / m_h."
+            elif _close(got, math.log(2) * 2.0 ** (8 * h / n_heads), atol=1e-6):
                 hint = "Count the heads from h = 1, not 0: the first slope is 2**(-8/n_heads), not 1."
-            elif _close(got, expected.flip(0), atol=1e-9):
-                hint = "Your slopes are in the reverse order: they should decrease from head 1 to head n_heads."
-            elif _close(got, -expected, atol=1e-9):
-                hint = "The slopes are positive; the bias -m_h * (t - i) carries the minus sign."
-            expect_close(got, expected, f"alibi_slopes({n_heads})", hint, rtol=1e-6, atol=1e-9)
+            elif _close(got, expected.flip(0), atol=1e-6):
+                hint = "Your heads are in the reverse order: head 1 has the steepest slope, so the shortest reach."
+            elif _close(got, math.log(2) * slopes, atol=1e-6):
+                hint = "You multiplied by the slope; the distance is ln 2 divided by the slope."
+            expect_close(got, expected, f"half_life({n_heads})", hint, rtol=1e-6, atol=1e-9)
 
-    return run_checks("Exercise 4.3 (ALiBi slopes)", checks,
-                      "A geometric sequence: each head looks back over a different distance.")
+    return run_checks("Exercise 4.4 (ALiBi's reach)", checks,
+                      "Steep heads look a few tokens back, shallow heads a few hundred.")
