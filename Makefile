@@ -10,7 +10,6 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.groundup-installed
 BUILD  := _build
 NBVAL_TIMEOUT ?= 600
-export MPLBACKEND := Agg
 export PYTHONHASHSEED := 0
 # Data files the tests and benchmarks may read (never committed); used only when the folder exists.
 SHARED_DATA := $(abspath ../shared/data)
