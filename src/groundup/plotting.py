@@ -35,3 +35,29 @@ def plot_losses(curves: Mapping[str, Sequence[float]], *, steps: Sequence[int] |
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def plot_gradient_norms(curves: Mapping[str, Sequence[float]], *, xs: Sequence[int] | None = None,
+                        title: str = "Gradient norm per layer at initialisation", xlabel: str = "layer ℓ",
+                        ylabel: str = "gradient norm (L2, log scale)", logx: bool = False):
+    """One line per named curve of gradient norms (e.g. ``{"Post-LN": [...], "Pre-LN": [...]}``), log y axis.
+
+    ``xs`` defaults to the layer numbers 1, 2, ...; ``logx`` puts the x axis on a log-2 scale (for depths).
+    """
+    if not curves:
+        raise ValueError("curves must name at least one curve of gradient norms")
+    fig, ax = plt.subplots(figsize=COLUMN, layout="constrained")
+    markers = "osD^v"
+    for m, (name, values) in enumerate(curves.items()):
+        x = list(xs) if xs is not None else list(range(1, len(values) + 1))
+        if len(x) != len(values):
+            raise ValueError(f"curve {name!r} has {len(values)} values but xs has {len(x)}")
+        ax.plot(x, list(values), marker=markers[m % len(markers)], markersize=4, label=name)
+    ax.set_yscale("log")
+    if logx:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, labels=[str(v) for v in x])
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.legend()
+    ax.grid(alpha=0.3, which="both")
+    return fig
