@@ -64,40 +64,38 @@ def test_check_mode_fails_on_a_stale_notebook(tmp_path):
     assert check.returncode == 0, check.stdout
 
 
-def test_failed_book_build_leaves_nothing_half_written(tmp_path, monkeypatch):
+def fake_build(returncode, page):
+    """A stand-in for the jupyter-book run: writes ``page`` as index.html into its output folder."""
+
+    def run(cmd, **kwargs):
+        out = Path(cmd[cmd.index("--path-output") + 1]) / "_build" / "html"
+        out.mkdir(parents=True)
+        (out / "index.html").write_text(page)
+        return subprocess.CompletedProcess(cmd, returncode)
+
+    return run
+
+
+@pytest.fixture
+def previous_book(tmp_path, monkeypatch):
     build = tmp_path / "_build"
     (build / "html").mkdir(parents=True)
     (build / "html" / "index.html").write_text("the previous book")
     monkeypatch.setattr(build_book, "BUILD", build)
     monkeypatch.setattr(build_book, "vendor_mathjax", lambda: None)
+    return build
 
-    def failing_build(cmd, **kwargs):
-        out = Path(cmd[cmd.index("--path-output") + 1]) / "_build" / "html"
-        out.mkdir(parents=True)
-        (out / "index.html").write_text("half a book")
-        return subprocess.CompletedProcess(cmd, 1)
 
-    monkeypatch.setattr(build_book.subprocess, "run", failing_build)
+def test_failed_book_build_leaves_nothing_half_written(previous_book, monkeypatch):
+    monkeypatch.setattr(build_book.subprocess, "run", fake_build(1, "half a book"))
     with pytest.raises(SystemExit, match="book build failed"):
         build_book.build()
-    assert (build / "html" / "index.html").read_text() == "the previous book"
-    assert sorted(p.name for p in build.iterdir()) == ["html"], "no temporary build folder may remain"
+    assert (previous_book / "html" / "index.html").read_text() == "the previous book"
+    assert sorted(p.name for p in previous_book.iterdir()) == ["html"], "no temporary build folder may remain"
 
 
-def test_successful_book_build_replaces_the_previous_one(tmp_path, monkeypatch):
-    build = tmp_path / "_build"
-    (build / "html").mkdir(parents=True)
-    (build / "html" / "old.html").write_text("old")
-    monkeypatch.setattr(build_book, "BUILD", build)
-    monkeypatch.setattr(build_book, "vendor_mathjax", lambda: None)
-
-    def good_build(cmd, **kwargs):
-        out = Path(cmd[cmd.index("--path-output") + 1]) / "_build" / "html"
-        out.mkdir(parents=True)
-        (out / "index.html").write_text("new book")
-        return subprocess.CompletedProcess(cmd, 0)
-
-    monkeypatch.setattr(build_book.subprocess, "run", good_build)
+def test_successful_book_build_replaces_the_previous_one(previous_book, monkeypatch):
+    monkeypatch.setattr(build_book.subprocess, "run", fake_build(0, "new book"))
     index = build_book.build()
-    assert index == build / "html" / "index.html" and index.read_text() == "new book"
-    assert sorted(p.name for p in build.iterdir()) == ["html"]
+    assert index == previous_book / "html" / "index.html" and index.read_text() == "new book"
+    assert sorted(p.name for p in previous_book.iterdir()) == ["html"]
