@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 
 import regex
 
-__all__ = ["GPT2_SPLIT_PATTERN", "CharTokenizer", "BPETokenizer"]
+__all__ = ["GPT2_SPLIT_PATTERN", "CharTokenizer", "BPETokenizer", "learn_merges", "merge"]
 
 #: The pre-tokenization pattern of GPT-2 (Radford et al. 2019): contractions, runs of letters or of digits
 #: (each with at most one leading space), runs of other symbols, and whitespace. BPE merges never cross the
@@ -41,6 +41,7 @@ GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p
 CHAR_FORMAT = "groundup-char-tokenizer"
 BPE_FORMAT = "groundup-bpe-tokenizer"
 FORMAT_VERSION = 1
+CACHE_SIZE = 200_000  # distinct chunks whose encoding BPETokenizer.encode remembers (then it starts afresh)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -266,7 +267,8 @@ class BPETokenizer:
               special_tokens: Sequence[str] = ()) -> BPETokenizer:
         """Learn ``vocab_size - 256 - len(special_tokens)`` merges from ``text``.
 
-        ``pattern`` splits the text into chunks that merges never cross (``None``: no splitting).
+        ``pattern`` splits the text into chunks that merges never cross (``None``: no splitting, the whole
+        text is one chunk; fine for demonstrations on short texts, slow on long ones).
         Occurrences of the special tokens in ``text`` are cut out before training. If the text runs out of
         pairs first, the tokenizer has fewer merges and a smaller ``vocab_size``.
         """
@@ -323,6 +325,8 @@ class BPETokenizer:
             for chunk in self._split(piece):
                 ids = cache.get(chunk)
                 if ids is None:
+                    if len(cache) >= CACHE_SIZE:
+                        cache.clear()
                     ids = cache[chunk] = self._encode_chunk(chunk)
                 out += ids
         return out
