@@ -222,7 +222,7 @@ def alibi_bias(n_heads: int, n: int) -> Tensor:
     _check_int("n", n)
     positions = torch.arange(n, dtype=torch.float32)
     distance = (positions[:, None] - positions[None, :]).abs()
-    return -alibi_slopes(n_heads)[:, None, None] * distance
+    return 0.0 - alibi_slopes(n_heads)[:, None, None] * distance  # 0.0 - x: no -0.0 on the diagonal
 
 
 # ----------------------------------------------------------------------------------------------------------
