@@ -199,6 +199,19 @@ def test_block_bad_config():
         TransformerBlock(Cfg(norm="batchnorm"))
 
 
+def test_block_bad_input_shapes():
+    block = TransformerBlock(Cfg())
+    expected = r"TransformerBlock expects x of shape \(batch, seq, d_model=16\), got \(2, 5, 8\)"
+    with pytest.raises(ValueError, match=expected):
+        block(torch.randn(2, 5, 8))
+    with pytest.raises(ValueError, match=r"got \(5, 16\)"):
+        block(torch.randn(5, 16))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        block([[0.0] * 16])
+    with pytest.raises(ValueError, match=r"DecoderBlock expects x of shape"):
+        DecoderBlock(Cfg())(torch.randn(1, 3, 12), torch.randn(1, 4, 16))
+
+
 def test_block_parameter_count():
     d, f = 16, 32
     block = TransformerBlock(Cfg(d_model=d, d_ff=f))

@@ -111,6 +111,13 @@ class FeedForward(nn.Module):
         return self.dropout(self.W_out(h))
 
 
+def _check_stream(x, d_model: int, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} expects x to be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != d_model:
+        raise ValueError(f"{name} expects x of shape (batch, seq, d_model={d_model}), got {tuple(x.shape)}")
+
+
 def _check_config(config) -> None:
     if config.d_model % config.n_heads != 0:
         raise ValueError(f"d_model ({config.d_model}) must be divisible by n_heads ({config.n_heads})")
@@ -131,7 +138,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, config):
         super().__init__()
         _check_config(config)
-        self.norm_position = config.norm_position
+        self.norm_position, self.d_model = config.norm_position, config.d_model
         self.norm_1 = make_norm(config.norm, config.d_model)
         self.attention = MultiHeadAttention(config.d_model, config.n_heads, dropout=config.dropout)
         self.norm_2 = make_norm(config.norm, config.d_model)
@@ -141,6 +148,7 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, *, mask=None, attn_bias=None, rotary=None, positions=None,
                 cache=None) -> torch.Tensor:
         """Map the residual stream ``x`` (batch, seq, d_model) to the next layer's stream, same shape."""
+        _check_stream(x, self.d_model, "TransformerBlock")
         def attend(h):
             return self.dropout(self.attention(h, mask=mask, attn_bias=attn_bias, rotary=rotary,
                                                positions=positions, cache=cache))
@@ -166,7 +174,7 @@ class DecoderBlock(nn.Module):
         super().__init__()
         _check_config(config)
         self.norm_position = config.norm_position
-        d = config.d_model
+        self.d_model = d = config.d_model
         self.norm_1 = make_norm(config.norm, d)
         self.self_attention = MultiHeadAttention(d, config.n_heads, dropout=config.dropout)
         self.norm_2 = make_norm(config.norm, d)
@@ -180,9 +188,10 @@ class DecoderBlock(nn.Module):
         """``mask``: the decoder's self-attention mask (usually causal); ``memory_mask``: which encoder
         positions each decoder position may attend to (e.g. padding), broadcastable to (..., seq, source_seq).
         """
-        if not isinstance(memory, torch.Tensor) or memory.dim() != 3 or memory.shape[-1] != x.shape[-1]:
+        _check_stream(x, self.d_model, "DecoderBlock")
+        if not isinstance(memory, torch.Tensor) or memory.dim() != 3 or memory.shape[-1] != self.d_model:
             shape = tuple(memory.shape) if isinstance(memory, torch.Tensor) else type(memory).__name__
-            raise ValueError(f"memory must have shape (batch, source_seq, {x.shape[-1]}), got {shape}")
+            raise ValueError(f"memory must have shape (batch, source_seq, {self.d_model}), got {shape}")
         sublayers = [
             (self.norm_1, lambda h: self.self_attention(h, mask=mask, attn_bias=attn_bias, rotary=rotary,
                                                         positions=positions, cache=cache)),
