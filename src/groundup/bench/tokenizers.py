@@ -3,9 +3,10 @@
 Apples to apples: the library gets a ByteLevel pre-tokenizer (the GPT-2 split pattern, no prefix space) and
 a BpeTrainer with the same vocabulary size and the 256-byte initial alphabet. Training: 1 MB of Shakespeare
 (tiny Shakespeare, else the first 1 MB of the corpus) to vocabulary 1024. Encoding: the whole 5 MB corpus
-with the tokenizers trained above; our per-chunk cache is emptied before every timed run, so each run
-starts cold. Targets (DESIGN section 8): training at most 3x and encoding at most 2x the library's time;
-bytes per token within 5 % of the library's.
+with the tokenizers trained above, as one string (and, for the library, also as a batch of lines, which
+it spreads over threads); our per-chunk cache is emptied before every timed run, so each run starts cold.
+The encoding ratio is taken against the faster of the library's two modes. Targets: training at most 3x
+and encoding at most 2x the library's time; bytes per token within 5 % of the library's.
 """
 
 from __future__ import annotations
@@ -57,8 +58,12 @@ def run() -> list[Row]:
     def encode_lib():
         n_tokens["tokenizers"] = len(lib.encode(corpus).ids)
 
+    lines = corpus.splitlines(keepends=True)
+
     e_ours = median_time(encode_ours, repeat=3, warmup=0)
     e_lib = median_time(encode_lib, repeat=3, warmup=0)
+    e_lib_batch = median_time(lambda: lib.encode_batch(lines), repeat=3, warmup=0)
+    e_best = min(e_lib, e_lib_batch)
     bpt_ours = mb_corpus * 1e6 / n_tokens["groundup"]
     bpt_lib = mb_corpus * 1e6 / n_tokens["tokenizers"]
 
@@ -70,7 +75,10 @@ def run() -> list[Row]:
         Row("BPE training ratio", t_ours / t_lib, "x", "groundup / tokenizers (target <= 3)"),
         Row("BPE encoding, groundup", e_ours, "s", enc_note + f", {mb_corpus / e_ours:.2f} MB/s, cold cache"),
         Row("BPE encoding, tokenizers", e_lib, "s", enc_note + f", {mb_corpus / e_lib:.2f} MB/s"),
-        Row("BPE encoding ratio", e_ours / e_lib, "x", "groundup / tokenizers (target <= 2)"),
+        Row("BPE encoding, tokenizers batch", e_lib_batch, "s",
+            f"{mb_corpus:.2f} MB corpus as {len(lines):,} lines, encode_batch (multi-threaded)"),
+        Row("BPE encoding ratio", e_ours / e_best, "x",
+            "groundup / the faster tokenizers mode (target <= 2)"),
         Row("bytes per token, groundup", bpt_ours, "B/token", f"vocab {ours.vocab_size}, whole corpus"),
         Row("bytes per token, tokenizers", bpt_lib, "B/token", f"vocab {lib.get_vocab_size()}, whole corpus"),
         Row("bytes per token ratio", bpt_ours / bpt_lib, "x", "groundup / tokenizers (target within 5 %)"),
