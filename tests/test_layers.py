@@ -297,3 +297,30 @@ def test_block_matches_torch_transformer_encoder_layer(norm_position):
     torch_mask = nn.Transformer.generate_square_subsequent_mask(7)  # float: -inf above the diagonal
     torch.testing.assert_close(block(x, mask=causal), ref(x, src_mask=torch_mask), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(block(x), ref(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_decoder_block_matches_torch_transformer_decoder_layer(norm_position):
+    torch.manual_seed(0)
+    block = DecoderBlock(Cfg(d_model=16, n_heads=4, d_ff=24, norm_position=norm_position)).eval()
+    for k, norm in enumerate((block.norm_1, block.norm_2, block.norm_3)):
+        _randomise(norm, 10 + k)
+    ref = nn.TransformerDecoderLayer(16, 4, 24, dropout=0.0, activation="gelu", batch_first=True,
+                                     norm_first=norm_position == "pre", layer_norm_eps=1e-5)
+    with torch.no_grad():
+        for ours, theirs in ((block.self_attention, ref.self_attn), (block.cross_attention, ref.multihead_attn)):
+            theirs.in_proj_weight.copy_(torch.cat([ours.W_q.weight, ours.W_k.weight, ours.W_v.weight]))
+            theirs.in_proj_bias.copy_(torch.cat([ours.W_q.bias, ours.W_k.bias, ours.W_v.bias]))
+            theirs.out_proj.load_state_dict(ours.W_o.state_dict())
+        ref.linear1.load_state_dict(block.ffn.W_in.state_dict())
+        ref.linear2.load_state_dict(block.ffn.W_out.state_dict())
+        for ours, theirs in ((block.norm_1, ref.norm1), (block.norm_2, ref.norm2), (block.norm_3, ref.norm3)):
+            theirs.load_state_dict(ours.state_dict())
+    ref.eval()
+    x, memory = torch.randn(2, 5, 16), torch.randn(2, 7, 16)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    torch_causal = nn.Transformer.generate_square_subsequent_mask(5)
+    padding = torch.tensor([[False] * 5 + [True] * 2, [False] * 7])  # torch: True = padding (may not attend)
+    ours = block(x, memory, mask=causal, memory_mask=~padding[:, None, None, :])
+    theirs = ref(x, memory, tgt_mask=torch_causal, memory_key_padding_mask=padding)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)

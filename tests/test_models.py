@@ -197,3 +197,34 @@ def test_cached_forward_equals_full_forward(positional):
     torch.testing.assert_close(torch.cat([first, *steps], dim=1), full, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"sequence length 17 \(7 new tokens after 10 cached\).*16"):
         model(idx[:, :7], cache=cache)
+
+
+def test_gpt_matches_a_model_built_from_torch_builtins():
+    # Pre-LN GPT with learned positions = nn.Embedding + nn.TransformerEncoderLayer(norm_first) stack
+    # + nn.LayerNorm + tied linear read-out, with the same weights.
+    torch.manual_seed(0)
+    c = small(d_ff=48)
+    model = GPT(c).eval()
+    layers = []
+    for block in model.blocks:
+        ref = nn.TransformerEncoderLayer(c.d_model, c.n_heads, c.d_ff, dropout=0.0, activation="gelu",
+                                         batch_first=True, norm_first=True)
+        a = block.attention
+        with torch.no_grad():
+            ref.self_attn.in_proj_weight.copy_(torch.cat([a.W_q.weight, a.W_k.weight, a.W_v.weight]))
+            ref.self_attn.in_proj_bias.copy_(torch.cat([a.W_q.bias, a.W_k.bias, a.W_v.bias]))
+            ref.self_attn.out_proj.load_state_dict(a.W_o.state_dict())
+            ref.linear1.load_state_dict(block.ffn.W_in.state_dict())
+            ref.linear2.load_state_dict(block.ffn.W_out.state_dict())
+            ref.norm1.load_state_dict(block.norm_1.state_dict())
+            ref.norm2.load_state_dict(block.norm_2.state_dict())
+        layers.append(ref.eval())
+    final = nn.LayerNorm(c.d_model)
+    final.load_state_dict(model.final_norm.state_dict())
+    idx = torch.randint(0, c.vocab_size, (2, 11))
+    h = F.embedding(idx, model.token_embedding.weight) + model.position_embedding.weight[:11]
+    mask = nn.Transformer.generate_square_subsequent_mask(11)
+    for layer in layers:
+        h = layer(h, src_mask=mask)
+    expected = F.linear(final(h), model.token_embedding.weight)
+    torch.testing.assert_close(model(idx)[0], expected, atol=1e-5, rtol=1e-5)
