@@ -255,3 +255,46 @@ def test_rope_rejects_bad_arguments():
         rope.apply_rotary(torch.zeros(3, 8), torch.arange(3.0))
     with pytest.raises(TypeError, match="floating-point"):
         rope.apply_rotary(torch.zeros(3, 8, dtype=torch.long), torch.arange(3))
+
+
+# ---------------------------------------------------------------- plots of chapter 4
+
+
+def test_plot_positional_encoding_is_labelled():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from groundup.plotting import plot_positional_encoding
+
+    fig = plot_positional_encoding(sinusoidal_encoding(20, 8))
+    ax = fig.axes[0]
+    assert ax.get_title() == "Sinusoidal positional encoding"
+    assert ax.get_xlabel() == "dimension" and ax.get_ylabel() == "position k"
+    assert ax.images[0].get_array().shape == (20, 8) and len(fig.axes) == 2  # heat map + colour bar
+    plt.close(fig)
+    with pytest.raises(ValueError, match="table must have shape"):
+        plot_positional_encoding(torch.zeros(3))
+
+
+def test_plot_length_generalisation_is_labelled():
+    import math as m
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from groundup.plotting import plot_length_generalisation
+
+    fig = plot_length_generalisation({"rope": [1.0, 0.9], "learned": [1.0, None]}, [32, 64], train_length=32)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["rope", "learned"]
+    assert "sequence length" in ax.get_xlabel() and "accuracy" in ax.get_ylabel()
+    assert m.isnan(ax.lines[1].get_ydata()[1])  # a length the method cannot run at is left empty
+    plt.close(fig)
+    with pytest.raises(ValueError, match="has 1 values but lengths has 2"):
+        plot_length_generalisation({"rope": [1.0]}, [32, 64])
+    with pytest.raises(ValueError, match="at least one method"):
+        plot_length_generalisation({}, [32])
