@@ -142,3 +142,27 @@ def test_bad_arguments():
 def test_reprs():
     assert "init='small'" in repr(TokenEmbedding(5, 3, init="small"))
     assert "tied=True" in repr(Unembedding(3, 5, tied_to=TokenEmbedding(5, 3)))
+
+
+def test_chapter3_plots_label_and_reject_bad_input():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from groundup.plotting import plot_init_comparison, plot_loss_vs_logit_scale
+
+    fig = plot_init_comparison(["a", "b"], [1.0, 0.1], [4.9, 250.0], reference_loss=math.log(84))
+    left, right = fig.axes
+    assert "RMS" in left.get_xlabel() and "nats" in right.get_xlabel()
+    assert [t.get_text() for t in left.get_yticklabels()] == ["a", "b"]
+    with pytest.raises(ValueError, match="equal length"):
+        plot_init_comparison(["a"], [1.0, 2.0], [3.0])
+    fig = plot_loss_vs_logit_scale([0.5, 1.0, 8.0], [4.6, 4.9, 19.0], vocab_size=84)
+    ax = fig.axes[0]
+    assert "nats" in ax.get_ylabel() and len(ax.get_legend().get_texts()) == 4
+    with pytest.raises(ValueError, match="vocab_size must be an integer >= 2"):
+        plot_loss_vs_logit_scale([1.0], [4.0], vocab_size=1)
+    with pytest.raises(ValueError, match="equal length"):
+        plot_loss_vs_logit_scale([1.0], [], vocab_size=84)
+    import matplotlib.pyplot as plt
+
+    plt.close("all")

@@ -37,6 +37,120 @@ def plot_losses(curves: Mapping[str, Sequence[float]], *, steps: Sequence[int] |
     return fig
 
 
+def plot_init_comparison(names: Sequence[str], activation_rms: Sequence[float], initial_loss: Sequence[float], *,
+                         reference_loss: float | None = None, title: str = "Embedding initialisations at step 0"):
+    """Two bar charts side by side: the RMS of the embeddings ``x^(0)`` and the initial loss, per initialisation.
+
+    Both axes are logarithmic (a bad initialisation is off by orders of magnitude). ``reference_loss`` draws the
+    loss of a uniform guess, ``ln n_V``, as a dashed line.
+    """
+    if not names or not len(names) == len(activation_rms) == len(initial_loss):
+        raise ValueError(f"names, activation_rms and initial_loss must be non-empty and of equal length, got "
+                         f"{len(names)}, {len(activation_rms)}, {len(initial_loss)}")
+    fig, (ax_rms, ax_loss) = plt.subplots(1, 2, figsize=(COLUMN[0], COLUMN[1] + 0.6))
+    colors = [f"C{i}" for i in range(len(names))]
+    ys = list(range(len(names)))
+    ax_rms.barh(ys, list(activation_rms), color=colors)
+    ax_rms.axvline(1.0, linestyle="--", color="grey", linewidth=1, label="RMS 1")
+    ax_rms.set(xscale="log", xlabel="RMS norm of $x^{(0)}$ (mean over tokens)", yticks=ys,
+               title="activation scale")
+    ax_rms.set_yticklabels(list(names))
+    ax_rms.invert_yaxis()
+    ax_loss.barh(ys, list(initial_loss), color=colors)
+    if reference_loss is not None:
+        ax_loss.axvline(reference_loss, linestyle="--", color="black", linewidth=1,
+                        label=f"$\\ln n_V$ = {reference_loss:.2f}")
+    ax_loss.set(xscale="log", xlabel="initial cross-entropy (nats)", yticks=ys, yticklabels=[],
+                title="initial loss", xlim=(min(initial_loss) / 2, max(initial_loss) * 1.5))
+    ax_loss.invert_yaxis()
+    for ax in (ax_rms, ax_loss):
+        ax.legend(loc="lower right", fontsize="small")
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_loss_vs_logit_scale(logit_rms: Sequence[float], losses: Sequence[float], *, vocab_size: int,
+                             title: str = "Initial loss against the scale of the logits"):
+    """Measured initial losses against the RMS ``s`` of the logits, with the two closed forms of chapter 3.
+
+    Draws ``ln n_V`` (a uniform guess), ``ln n_V + s^2/2`` (small logits) and ``s sqrt(2 ln n_V)`` (large logits,
+    where the loss is set by the largest of ``n_V`` Gaussian logits).
+    """
+    if len(logit_rms) != len(losses) or not losses:
+        raise ValueError(f"logit_rms and losses must be non-empty and of equal length, got {len(logit_rms)} and "
+                         f"{len(losses)}")
+    if not isinstance(vocab_size, int) or vocab_size < 2:
+        raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
+    import numpy as np
+
+    ln_v = float(np.log(vocab_size))
+    s = np.geomspace(min(logit_rms) / 1.5, max(logit_rms) * 1.5, 200)
+    fig, ax = plt.subplots(figsize=COLUMN)
+    ax.plot(list(logit_rms), list(losses), "o", color="C0", label="measured")
+    ax.plot(s, ln_v + s**2 / 2, color="C1", label=r"$\ln n_V + s^2/2$ (small $s$)")
+    ax.plot(s, s * np.sqrt(2 * ln_v), color="C2", linestyle=":", label=r"$s\sqrt{2\ln n_V}$ (large $s$)")
+    ax.axhline(ln_v, linestyle="--", color="grey", linewidth=1, label=r"$\ln n_V$ (uniform guess)")
+    ax.set(xscale="log", yscale="log", xlabel="RMS $s$ of the logits at initialisation",
+           ylabel="initial cross-entropy (nats)", title=title, ylim=(ln_v * 0.8, max(losses) * 2))
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return fig
+
+
+def plot_attention(weights, *, queries: Sequence[str] | None = None, keys: Sequence[str] | None = None,
+                   title: str = "Attention weights", head_titles: Sequence[str] | None = None,
+                   annotate: bool = False):
+    """Heat-map(s) of attention weights: rows are queries (the attending positions), columns the keys.
+
+    ``weights`` is ``(n_q, n_k)`` for one map or ``(n_heads, n_q, n_k)`` for one panel per head (a tensor or
+    array; a leading batch dimension of 1 is dropped). ``queries`` / ``keys`` label the rows / columns (e.g. the
+    tokens); ``annotate`` writes each weight into its cell (for small maps). The colour scale is 0..1.
+    """
+    import numpy as np
+
+    w = weights.detach().cpu().numpy() if hasattr(weights, "detach") else np.asarray(weights)
+    if w.ndim == 4 and w.shape[0] == 1:
+        w = w[0]
+    if w.ndim == 2:
+        w = w[None]
+    if w.ndim != 3:
+        raise ValueError(f"weights must have shape (n_q, n_k) or (n_heads, n_q, n_k), got {tuple(w.shape)}")
+    n_heads, n_q, n_k = w.shape
+    if queries is not None and len(queries) != n_q:
+        raise ValueError(f"queries must have one label per row ({n_q}), got {len(queries)}")
+    if keys is not None and len(keys) != n_k:
+        raise ValueError(f"keys must have one label per column ({n_k}), got {len(keys)}")
+    if head_titles is not None and len(head_titles) != n_heads:
+        raise ValueError(f"head_titles must have one title per head ({n_heads}), got {len(head_titles)}")
+    width = COLUMN[0] if n_heads == 1 else min(3.2 * n_heads, 13.0)
+    fig, axes = plt.subplots(1, n_heads, figsize=(width, COLUMN[1] + 0.4 * (n_heads == 1)), squeeze=False,
+                             layout="constrained")
+    image = None
+    for h, ax in enumerate(axes[0]):
+        image = ax.imshow(w[h], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+        ax.set_xticks(range(n_k), labels=list(keys) if keys is not None else range(n_k),
+                      rotation=90 if keys is not None else 0)
+        ax.set_yticks(range(n_q), labels=list(queries) if queries is not None else range(n_q))
+        ax.set_xlabel("key (attended to)")
+        if h == 0:
+            ax.set_ylabel("query (attending)")
+        if head_titles is not None:
+            ax.set_title(head_titles[h])
+        elif n_heads > 1:
+            ax.set_title(f"head {h}")
+        if annotate:
+            for i in range(n_q):
+                for j in range(n_k):
+                    ax.text(j, i, f"{w[h, i, j]:.2f}", ha="center", va="center", fontsize=7,
+                            color="black" if w[h, i, j] > 0.5 else "white")
+    fig.colorbar(image, ax=list(axes[0]), label="attention weight", shrink=0.9)
+    fig.suptitle(title)
+    return fig
+
+
 def plot_positional_encoding(table, *, title: str = "Sinusoidal positional encoding", xlabel: str = "dimension",
                              ylabel: str = "position k", colorbar_label: str = "value"):
     """Heat-map of a positional table ``[n_positions, d]`` (one row per position), e.g. ``sinusoidal_encoding``.
