@@ -43,7 +43,7 @@ unit: setup
 
 notebooks: data
 	$(PY) -m pytest --nbval --nbval-current-env --nbval-sanitize-with sanitize.cfg \
-		--nbval-cell-timeout=$(NBVAL_TIMEOUT) --durations=0 -p no:cacheprovider notebooks
+		--nbval-cell-timeout=$(NBVAL_TIMEOUT) --durations=15 -p no:cacheprovider notebooks
 
 book-check: book
 	$(PY) -m pytest tests/book -q -rs
