@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tempfile
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +67,17 @@ def test_no_myst_syntax_leaks_as_text(chapter1):
 def test_solutions_are_hidden_until_clicked(chapter1):
     hidden = re.findall(r'<details class="[^"]*hide[^"]*"(?![^>]*\bopen\b)', chapter1)
     assert len(hidden) >= 5, "the exercise solutions must be collapsed when the page opens"
+
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS[1:], ids=lambda p: p.stem)
+def test_every_other_chapter_renders(server, nb):
+    dom = rendered_dom(f"{server}/notebooks/{nb.stem}.html")
+    assert dom.count("<mjx-container") >= 5, "the math was not typeset"
+    assert "<mjx-merror" not in dom, "MathJax reports a TeX error on the page"
+    assert re.search(r'<img[^>]+src="[^"]*_images/[^"]+\.png"', dom), "every chapter shows at least one figure"
+    text = visible_text(dom)
+    for raw in ("```{", "{cite}", ":::", "\\tag{"):
+        assert raw not in text, f"{raw!r} shows as text on the page"
