@@ -331,3 +331,15 @@ def test_mha_uses_torch_fused_kernel_only_when_no_weights_are_requested(monkeypa
     assert len(calls) == 1
     mha(x, need_weights=True)
     assert len(calls) == 1
+
+
+def test_mha_fully_masked_query_gives_zero_attention_on_both_paths():
+    torch.manual_seed(7)
+    mha = MultiHeadAttention(8, 2, bias=False)
+    x = torch.randn(1, 3, 8)
+    mask = torch.tensor([[False, False, False], [True, True, False], [True, True, True]])
+    fast = mha(x, mask=mask)
+    slow, w = mha(x, mask=mask, need_weights=True)
+    assert torch.equal(w[0, :, 0], torch.zeros(2, 3))
+    torch.testing.assert_close(fast, slow)
+    torch.testing.assert_close(fast[0, 0], torch.zeros(8))  # no bias: zero heads give a zero output
