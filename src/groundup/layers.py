@@ -30,6 +30,13 @@ def _check_last_dim(x: torch.Tensor, d: int, name: str) -> None:
         raise ValueError(f"{name} expects x with last dimension {d}, got shape {tuple(x.shape)}")
 
 
+def _check_norm_args(d, eps) -> None:
+    if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+        raise ValueError(f"d must be a positive integer, got {d!r}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+
+
 class LayerNorm(nn.Module):
     """LayerNorm(x) = γ ⊙ (x − μ(x)) / sqrt(σ²(x) + ε) + β over the last dimension (PyTorch's ε placement).
 
@@ -39,10 +46,7 @@ class LayerNorm(nn.Module):
 
     def __init__(self, d: int, *, eps: float = 1e-5):
         super().__init__()
-        if not isinstance(d, int) or d <= 0:
-            raise ValueError(f"d must be a positive integer, got {d!r}")
-        if not eps > 0:
-            raise ValueError(f"eps must be > 0, got {eps!r}")
+        _check_norm_args(d, eps)
         self.d, self.eps = d, eps
         self.weight = nn.Parameter(torch.ones(d))  # γ
         self.bias = nn.Parameter(torch.zeros(d))  # β
@@ -62,10 +66,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, d: int, *, eps: float = 1e-6):
         super().__init__()
-        if not isinstance(d, int) or d <= 0:
-            raise ValueError(f"d must be a positive integer, got {d!r}")
-        if not eps > 0:
-            raise ValueError(f"eps must be > 0, got {eps!r}")
+        _check_norm_args(d, eps)
         self.d, self.eps = d, eps
         self.weight = nn.Parameter(torch.ones(d))  # γ
 
