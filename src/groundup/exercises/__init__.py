@@ -5,6 +5,6 @@ what was tested, what went wrong and a hint -- and returns ``True`` when the fun
 A function that still raises ``NotImplementedError`` gets a friendly reminder instead of a traceback.
 """
 
-from groundup.exercises.checking import Mismatch, expect, expect_close, run_checks
+from groundup.exercises.checking import Mismatch, expect, expect_close, expect_tensor, run_checks
 
-__all__ = ["Mismatch", "expect", "expect_close", "run_checks"]
+__all__ = ["Mismatch", "expect", "expect_close", "expect_tensor", "run_checks"]

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from groundup.exercises.checking import expect, expect_close, run_checks
+from groundup.exercises.checking import expect, expect_close, expect_tensor, run_checks
 
 
 def check_perplexity(fn) -> bool:
@@ -31,8 +31,8 @@ def check_bigram_counts(fn) -> bool:
 
     def checks():
         got = fn([0, 1, 1, 2, 0, 1], 3)
-        expect(isinstance(got, torch.Tensor), f"expected a torch.Tensor, got {type(got).__name__}",
-               "Start from torch.zeros(vocab_size, vocab_size, dtype=torch.long).")
+        expect_tensor(got, "count_bigrams([0, 1, 1, 2, 0, 1], 3)",
+                      "Start from torch.zeros(vocab_size, vocab_size, dtype=torch.long).")
         expected = torch.tensor([[0, 2, 0], [0, 1, 1], [1, 0, 0]])
         expect(tuple(got.shape) == (3, 3), f"expected shape (3, 3) for vocab_size=3, got {tuple(got.shape)}",
                "The table has one row per current token and one column per next token.")

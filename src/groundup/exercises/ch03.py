@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from groundup.exercises.checking import expect, expect_close, run_checks
+from groundup.exercises.checking import expect, expect_close, expect_tensor, run_checks
 
 __all__ = ["check_one_hot", "check_rms_init", "check_softmax", "check_tying_savings"]
 
@@ -18,8 +18,7 @@ def check_one_hot(fn: Callable) -> bool:
     def checks():
         ids = torch.tensor([2, 0, 4])
         got = fn(ids, 5)
-        expect(isinstance(got, torch.Tensor), f"one_hot(tensor([2, 0, 4]), 5) returned a {type(got).__name__}",
-               "Return a torch.Tensor.")
+        expect_tensor(got, "one_hot(tensor([2, 0, 4]), 5)")
         expect(got.is_floating_point(), f"one_hot(...) has dtype {got.dtype}",
                "Return floats (e.g. torch.zeros(..., dtype=torch.float32)) so the result can multiply W_E.")
         expected = torch.tensor([[0.0, 0, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 1]])
@@ -42,8 +41,7 @@ def check_rms_init(fn: Callable) -> bool:
     def checks():
         torch.manual_seed(123)
         w = fn(500, 64)
-        expect(isinstance(w, torch.Tensor), f"rms_init(500, 64) returned a {type(w).__name__}",
-               "Return a torch.Tensor.")
+        expect_tensor(w, "rms_init(500, 64)")
         expect(tuple(w.shape) == (500, 64), f"rms_init(500, 64) has shape {tuple(w.shape)}, expected (500, 64)",
                "W_E has one row per token: shape [vocab_size, d_model].")
         w = w.detach().double()
@@ -77,7 +75,7 @@ def check_softmax(fn: Callable) -> bool:
         g = torch.Generator().manual_seed(3)
         z = torch.randn(4, 6, generator=g, dtype=torch.float64)
         got = fn(z)
-        expect(isinstance(got, torch.Tensor), f"softmax returned a {type(got).__name__}", "Return a torch.Tensor.")
+        expect_tensor(got, "softmax")
         expect_close(got, torch.softmax(z, dim=-1), "softmax of a [4, 6] tensor of random logits",
                      "Exponentiate, then divide by the sum over the last dimension (dim=-1, keepdim=True).",
                      rtol=1e-6, atol=1e-9)

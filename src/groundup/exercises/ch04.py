@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from groundup.exercises.checking import expect, expect_close, run_checks
+from groundup.exercises.checking import expect, expect_close, expect_tensor, run_checks
 from groundup.positional import RotaryEmbedding, alibi_slopes, sinusoidal_encoding
 
 __all__ = ["check_alibi_half_life", "check_apply_rotary", "check_shift_matrix", "check_sinusoidal_encoding"]
@@ -22,8 +22,7 @@ def check_sinusoidal_encoding(fn: Callable) -> bool:
 
     def checks():
         got = fn(6, 4)
-        expect(isinstance(got, torch.Tensor), f"sinusoidal(6, 4) returned a {type(got).__name__}",
-               "Return a torch.Tensor of shape [n_positions, d_model].")
+        expect_tensor(got, "sinusoidal(6, 4)", "Return a torch.Tensor of shape [n_positions, d_model].")
         expect(tuple(got.shape) == (6, 4), f"sinusoidal(6, 4) has shape {tuple(got.shape)}, expected (6, 4)",
                "One row per position k = 0..n_positions-1, one column per dimension.")
         got = got.detach().double()
@@ -63,8 +62,7 @@ def check_apply_rotary(fn: Callable) -> bool:
         x = torch.tensor([[1.0, 0.0]] * 3, dtype=torch.float64)
         positions = torch.tensor([0, 1, 2])
         got = fn(x, positions)
-        expect(isinstance(got, torch.Tensor), f"rope(x, positions) returned a {type(got).__name__}",
-               "Return a torch.Tensor with the same shape as x.")
+        expect_tensor(got, "rope(x, positions)", "Return a torch.Tensor with the same shape as x.")
         expect(tuple(got.shape) == (3, 2), f"rope of x with shape (3, 2) returned shape {tuple(got.shape)}",
                "The output has the same shape as x.")
         expected = torch.tensor([[1.0, 0.0], [math.cos(1), math.sin(1)], [math.cos(2), math.sin(2)]])
@@ -103,8 +101,7 @@ def check_shift_matrix(fn: Callable) -> bool:
 
     def checks():
         got = fn(3, 4)
-        expect(isinstance(got, torch.Tensor), f"shift_matrix(3, 4) returned a {type(got).__name__}",
-               "Return a torch.Tensor of shape [d_model, d_model].")
+        expect_tensor(got, "shift_matrix(3, 4)", "Return a torch.Tensor of shape [d_model, d_model].")
         expect(tuple(got.shape) == (4, 4), f"shift_matrix(3, 4) has shape {tuple(got.shape)}, expected (4, 4)",
                "M maps one row of the table (d_model numbers) to another: shape [d_model, d_model].")
         for delta, d in ((3, 4), (7, 8), (1, 16), (0, 6)):

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from groundup.exercises.checking import expect, expect_close, run_checks
+from groundup.exercises.checking import expect, expect_close, expect_tensor, run_checks
 
 __all__ = ["check_attention", "check_padding_mask", "check_split_heads", "check_mha_parameters"]
 
@@ -54,8 +54,7 @@ def check_padding_mask(fn: Callable) -> bool:
 
     def checks():
         got = fn(torch.tensor([3, 5, 1]), 5)
-        expect(isinstance(got, torch.Tensor), f"padding_mask returned a {type(got).__name__}",
-               "Return a torch.Tensor.")
+        expect_tensor(got, "padding_mask")
         expect(got.dtype == torch.bool, f"padding_mask returned dtype {got.dtype}",
                "Return a bool tensor: True where the key is a real token (may be attended to).")
         expect(tuple(got.shape) == (3, 1, 1, 5), f"padding_mask(tensor([3, 5, 1]), 5) has shape {tuple(got.shape)}",
@@ -79,7 +78,7 @@ def check_split_heads(fn: Callable) -> bool:
     def checks():
         x = torch.arange(2 * 3 * 8, dtype=torch.float32).reshape(2, 3, 8)
         got = fn(x, 2)
-        expect(isinstance(got, torch.Tensor), f"split_heads returned a {type(got).__name__}", "Return a tensor.")
+        expect_tensor(got, "split_heads", "Return a tensor.")
         expect(tuple(got.shape) == (2, 2, 3, 4), f"split_heads(x of shape (2, 3, 8), 2) has shape "
                f"{tuple(got.shape)}, expected (2, 2, 3, 4)", "The result is (batch, n_heads, seq, d_head).")
         expected = x.view(2, 3, 2, 4).transpose(1, 2)

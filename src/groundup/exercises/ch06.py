@@ -7,16 +7,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from groundup.exercises.checking import expect, expect_close, run_checks
+from groundup.exercises.checking import expect, expect_close, expect_tensor, run_checks
 from groundup.layers import TransformerBlock
 from groundup.models import GPT, GPTConfig
 
 __all__ = ["check_layer_norm", "check_parameter_count", "check_pre_ln_block", "check_rms_norm"]
-
-
-def _tensor(got, call: str) -> torch.Tensor:
-    expect(isinstance(got, torch.Tensor), f"{call} returned a {type(got).__name__}", "Return a torch.Tensor.")
-    return got
 
 
 def check_layer_norm(fn: Callable) -> bool:
@@ -26,7 +21,7 @@ def check_layer_norm(fn: Callable) -> bool:
         g = torch.Generator().manual_seed(6)
         x = torch.randn(3, 5, 8, generator=g, dtype=torch.float64) * 4 + 1
         w, b = torch.randn(8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
-        got = _tensor(fn(x, w, b, 1e-5), "layer_norm(x, weight, bias, 1e-5)")
+        got = expect_tensor(fn(x, w, b, 1e-5), "layer_norm(x, weight, bias, 1e-5)")
         expected = F.layer_norm(x, (8,), w, b, 1e-5)
         hint = "Normalise each vector over its last dimension: (x - mean) / sqrt(var + eps), then γ ⊙ · + β."
         if got.shape == x.shape:
@@ -48,7 +43,7 @@ def check_layer_norm(fn: Callable) -> bool:
         # A vector with tiny spread and a large eps: tells ε under the root from the seeds' σ + ε.
         x2 = torch.tensor([[1.0, 1.001, 0.999, 1.0]], dtype=torch.float64)
         ones, zeros = torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
-        got2 = _tensor(fn(x2, ones, zeros, 1e-2), "layer_norm(x, ones, zeros, 0.01)")
+        got2 = expect_tensor(fn(x2, ones, zeros, 1e-2), "layer_norm(x, ones, zeros, 0.01)")
         expect_close(got2, F.layer_norm(x2, (4,), ones, zeros, 1e-2),
                      "layer_norm([[1, 1.001, 0.999, 1]], eps=0.01), an input with tiny variance",
                      "Put eps inside the square root, sqrt(var + eps), as PyTorch does (the seeds write σ + ε).",
@@ -64,7 +59,7 @@ def check_rms_norm(fn: Callable) -> bool:
         g = torch.Generator().manual_seed(7)
         x = torch.randn(2, 4, 6, generator=g, dtype=torch.float64) * 3 + 2
         w = torch.randn(6, generator=g, dtype=torch.float64)
-        got = _tensor(fn(x, w, 1e-6), "rms_norm(x, weight, 1e-6)")
+        got = expect_tensor(fn(x, w, 1e-6), "rms_norm(x, weight, 1e-6)")
         hint = "Divide each vector by sqrt(mean(x**2 over the last dim) + eps), then multiply by weight."
         if got.shape == x.shape:
             if torch.allclose(got, F.layer_norm(x, (6,), w, None, 1e-6), atol=1e-6):
@@ -95,7 +90,7 @@ def check_pre_ln_block(fn: Callable) -> bool:
         x = torch.randn(2, 6, 16)
         mask = torch.ones(6, 6, dtype=torch.bool).tril()
         with torch.no_grad():
-            got = _tensor(fn(x, block, mask), "pre_ln_block(x, block, mask)")
+            got = expect_tensor(fn(x, block, mask), "pre_ln_block(x, block, mask)")
             expected = block(x, mask=mask)
             hint = "x = x + attention(norm_1(x), mask=mask); then x = x + ffn(norm_2(x))."
             if got.shape == x.shape:

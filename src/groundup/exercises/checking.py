@@ -28,6 +28,12 @@ def expect(condition: bool, what: str, hint: str = "") -> None:
         raise Mismatch(what, hint)
 
 
+def expect_tensor(value, call: str, hint: str = "Return a torch.Tensor.") -> torch.Tensor:
+    """Raise :class:`Mismatch` unless ``call`` (shown to the reader) returned a tensor; return it."""
+    expect(isinstance(value, torch.Tensor), f"{call} returned a {type(value).__name__}", hint)
+    return value
+
+
 def _as_float_tensor(x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.detach().to(torch.float64)
