@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch_reference import encoder_layer_like
 
 from groundup.layers import DecoderBlock, FeedForward, LayerNorm, RMSNorm, TransformerBlock
 
@@ -268,22 +269,6 @@ def test_gelu_is_exact_erf_form():
     assert math.isclose(ffn(x).item(), 0.5 * (1 + math.erf(1 / math.sqrt(2))), rel_tol=1e-6)
 
 
-def _torch_encoder_layer_like(block: TransformerBlock, d: int, n_heads: int, d_ff: int, norm_first: bool):
-    """PyTorch's nn.TransformerEncoderLayer with our block's weights copied in."""
-    ref = nn.TransformerEncoderLayer(d, n_heads, d_ff, dropout=0.0, activation="gelu", batch_first=True,
-                                     norm_first=norm_first, layer_norm_eps=1e-5)
-    a = block.attention
-    with torch.no_grad():
-        ref.self_attn.in_proj_weight.copy_(torch.cat([a.W_q.weight, a.W_k.weight, a.W_v.weight]))
-        ref.self_attn.in_proj_bias.copy_(torch.cat([a.W_q.bias, a.W_k.bias, a.W_v.bias]))
-        ref.self_attn.out_proj.load_state_dict(a.W_o.state_dict())
-        ref.linear1.load_state_dict(block.ffn.W_in.state_dict())
-        ref.linear2.load_state_dict(block.ffn.W_out.state_dict())
-        ref.norm1.load_state_dict(block.norm_1.state_dict())
-        ref.norm2.load_state_dict(block.norm_2.state_dict())
-    return ref.eval()
-
-
 @pytest.mark.parametrize("norm_position", ["pre", "post"])
 def test_block_matches_torch_transformer_encoder_layer(norm_position):
     torch.manual_seed(0)
@@ -291,7 +276,7 @@ def test_block_matches_torch_transformer_encoder_layer(norm_position):
     block = TransformerBlock(cfg).eval()
     _randomise(block.norm_1, 5)
     _randomise(block.norm_2, 6)
-    ref = _torch_encoder_layer_like(block, 16, 4, 40, norm_first=norm_position == "pre")
+    ref = encoder_layer_like(block, 16, 4, 40, norm_first=norm_position == "pre")
     x = torch.randn(2, 7, 16)
     causal = torch.ones(7, 7, dtype=torch.bool).tril()
     torch_mask = nn.Transformer.generate_square_subsequent_mask(7)  # float: -inf above the diagonal

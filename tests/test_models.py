@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch_reference import encoder_layer_like
 
 from groundup.layers import LayerNorm, RMSNorm
 from groundup.models import GPT, POSITIONALS, GPTConfig
@@ -205,20 +206,7 @@ def test_gpt_matches_a_model_built_from_torch_builtins():
     torch.manual_seed(0)
     c = small(d_ff=48)
     model = GPT(c).eval()
-    layers = []
-    for block in model.blocks:
-        ref = nn.TransformerEncoderLayer(c.d_model, c.n_heads, c.d_ff, dropout=0.0, activation="gelu",
-                                         batch_first=True, norm_first=True)
-        a = block.attention
-        with torch.no_grad():
-            ref.self_attn.in_proj_weight.copy_(torch.cat([a.W_q.weight, a.W_k.weight, a.W_v.weight]))
-            ref.self_attn.in_proj_bias.copy_(torch.cat([a.W_q.bias, a.W_k.bias, a.W_v.bias]))
-            ref.self_attn.out_proj.load_state_dict(a.W_o.state_dict())
-            ref.linear1.load_state_dict(block.ffn.W_in.state_dict())
-            ref.linear2.load_state_dict(block.ffn.W_out.state_dict())
-            ref.norm1.load_state_dict(block.norm_1.state_dict())
-            ref.norm2.load_state_dict(block.norm_2.state_dict())
-        layers.append(ref.eval())
+    layers = [encoder_layer_like(block, c.d_model, c.n_heads, c.d_ff, norm_first=True) for block in model.blocks]
     final = nn.LayerNorm(c.d_model)
     final.load_state_dict(model.final_norm.state_dict())
     idx = torch.randint(0, c.vocab_size, (2, 11))
