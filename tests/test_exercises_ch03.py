@@ -91,13 +91,13 @@ CASES = [
 
 @pytest.mark.parametrize("checker, solution, wrongs", CASES, ids=[c[0].__name__ for c in CASES])
 def test_checker_accepts_reference_rejects_wrong_and_handles_stub(checker, solution, wrongs, capsys):
-    assert checker(solution) is True
+    assert checker(solution).passed is True
     assert "✅" in capsys.readouterr().out
     for wrong, message in wrongs:
-        assert checker(wrong) is False, wrong.__name__
+        assert checker(wrong).passed is False, wrong.__name__
         out = capsys.readouterr().out
         assert "❌" in out and "Hint:" in out and message in out, (wrong.__name__, out)
-    assert checker(stub) is False
+    assert checker(stub).passed is False
     assert "not attempted yet" in capsys.readouterr().out
 
 

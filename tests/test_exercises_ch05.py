@@ -102,14 +102,14 @@ CASES = [
 
 @pytest.mark.parametrize("checker, solution", [(c, s) for c, s, _ in CASES])
 def test_checker_accepts_reference_solution(checker, solution, capsys):
-    assert checker(solution) is True
+    assert checker(solution).passed is True
     assert "✅" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("checker, wrong, hint",
                          [(c, w, h) for c, _, wrongs in CASES for w, h in wrongs])
 def test_checker_rejects_wrong_solution_with_hint(checker, wrong, hint, capsys):
-    assert checker(wrong) is False
+    assert checker(wrong).passed is False
     out = capsys.readouterr().out
     assert "❌" in out
     assert "Hint:" in out
@@ -118,7 +118,7 @@ def test_checker_rejects_wrong_solution_with_hint(checker, wrong, hint, capsys):
 
 @pytest.mark.parametrize("checker", [c for c, _, _ in CASES])
 def test_checker_handles_stub(checker, capsys):
-    assert checker(stub) is False
+    assert checker(stub).passed is False
     assert "not attempted yet" in capsys.readouterr().out
 
 
@@ -126,5 +126,5 @@ def test_attention_checker_rejects_mask_that_leaves_masked_weights_nonzero(capsy
     def attention_ignores_mask(q, k, v, mask=None):
         return attention(q, k, v)
 
-    assert check_attention(attention_ignores_mask) is False
+    assert check_attention(attention_ignores_mask).passed is False
     assert "masked weights are not exactly 0" in capsys.readouterr().out

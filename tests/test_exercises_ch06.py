@@ -109,13 +109,13 @@ CHECKERS = [
 
 @pytest.mark.parametrize("checker,solution", CHECKERS)
 def test_reference_solution_passes(checker, solution, capsys):
-    assert checker(solution) is True
+    assert checker(solution).passed is True
     assert "✅" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("checker,solution", CHECKERS)
 def test_stub_is_not_attempted(checker, solution, capsys):
-    assert checker(stub) is False
+    assert checker(stub).passed is False
     assert "not attempted yet" in capsys.readouterr().out
 
 
@@ -133,7 +133,7 @@ def test_stub_is_not_attempted(checker, solution, capsys):
     (check_parameter_count, count_float, "Return a Python int"),
 ])
 def test_wrong_answers_are_rejected_with_a_hint(checker, wrong, hint, capsys):
-    assert checker(wrong) is False
+    assert checker(wrong).passed is False
     out = capsys.readouterr().out
     assert "❌" in out and hint in out, out
 
@@ -142,5 +142,5 @@ def test_crashing_solution_becomes_a_verdict(capsys):
     def crashes(x, weight, bias, eps):
         return x @ torch.ones(3, 3)
 
-    assert check_layer_norm(crashes) is False
+    assert check_layer_norm(crashes).passed is False
     assert "raised RuntimeError" in capsys.readouterr().out

@@ -7,10 +7,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from groundup.exercises.checking import expect, expect_close, expect_tensor, run_checks
+from groundup.exercises.checking import Verdict, expect, expect_close, expect_tensor, run_checks
 
 
-def check_perplexity(fn) -> bool:
+def check_perplexity(fn) -> Verdict:
     """Exercise 1.1: ``fn(probs)`` takes the probabilities a model gave to each actual next token
     (a list of floats) and returns the perplexity ``exp(-(1/n) Σ log p)``."""
 
@@ -26,7 +26,7 @@ def check_perplexity(fn) -> bool:
     return run_checks("Exercise 1.1 (perplexity)", checks, "A uniform guess over n tokens has perplexity n.")
 
 
-def check_bigram_counts(fn) -> bool:
+def check_bigram_counts(fn) -> Verdict:
     """Exercise 1.2: ``fn(ids, vocab_size)`` returns ``counts[a, b]``, how often ``b`` directly follows ``a``."""
 
     def checks():
@@ -49,7 +49,7 @@ def check_bigram_counts(fn) -> bool:
     return run_checks("Exercise 1.2 (bigram counts)", checks)
 
 
-def check_cross_entropy(fn) -> bool:
+def check_cross_entropy(fn) -> Verdict:
     """Exercise 1.3: ``fn(logits, targets)`` returns the mean cross-entropy (nats) of logits [N, n_V] against
     target ids [N], computed from scratch, and stays finite for large logits."""
 

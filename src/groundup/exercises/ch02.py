@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from groundup.exercises.checking import expect, expect_close, run_checks
+from groundup.exercises.checking import Verdict, expect, expect_close, run_checks
 from groundup.tokenizers import BPETokenizer, CharTokenizer
 
 __all__ = ["check_most_frequent_pair", "check_merge", "check_encode_with_merges", "check_bytes_per_token"]
 
 
-def check_most_frequent_pair(fn: Callable) -> bool:
+def check_most_frequent_pair(fn: Callable) -> Verdict:
     """Exercise 2.1: ``fn(ids)`` returns the most frequent adjacent pair; ties go to the smallest pair; ``None``
     when ``ids`` has fewer than two elements."""
 
@@ -48,7 +48,7 @@ def check_most_frequent_pair(fn: Callable) -> bool:
                       "That is the choice every step of BPE training makes.")
 
 
-def check_merge(fn: Callable) -> bool:
+def check_merge(fn: Callable) -> Verdict:
     """Exercise 2.2: ``fn(ids, pair, new_id)`` replaces every occurrence of ``pair``, scanning left to right."""
 
     def checks():
@@ -79,7 +79,7 @@ def _reference_merges() -> list[tuple[int, int]]:
     return BPETokenizer.train(text, 256 + 24, pattern=None).merges
 
 
-def check_encode_with_merges(fn: Callable) -> bool:
+def check_encode_with_merges(fn: Callable) -> Verdict:
     """Exercise 2.3: ``fn(text, merges)`` encodes ``text`` (no pre-tokenization) with a list of merges, where
     ``merges[k] = (a, b)`` makes id ``256 + k``."""
 
@@ -108,7 +108,7 @@ def check_encode_with_merges(fn: Callable) -> bool:
     return run_checks("Exercise 2.3 (encode with merges)", checks, "Your encoder agrees with BPETokenizer.encode.")
 
 
-def check_bytes_per_token(fn: Callable) -> bool:
+def check_bytes_per_token(fn: Callable) -> Verdict:
     """Exercise 2.4: ``fn(tokenizer, text)`` returns the compression, UTF-8 bytes per token."""
 
     def checks():

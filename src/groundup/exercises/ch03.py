@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 import torch
 
-from groundup.exercises.checking import expect, expect_close, expect_tensor, run_checks
+from groundup.exercises.checking import Verdict, expect, expect_close, expect_tensor, run_checks
 
 __all__ = ["check_one_hot", "check_rms_init", "check_softmax", "check_tying_savings"]
 
 
-def check_one_hot(fn: Callable) -> bool:
+def check_one_hot(fn: Callable) -> Verdict:
     """Exercise 3.1: ``fn(ids, vocab_size)`` returns float one-hot vectors, shape ``[*ids.shape, vocab_size]``."""
 
     def checks():
@@ -35,7 +35,7 @@ def check_one_hot(fn: Callable) -> bool:
                       "Multiplying them by W_E picks out rows, exactly like W_E[ids].")
 
 
-def check_rms_init(fn: Callable) -> bool:
+def check_rms_init(fn: Callable) -> Verdict:
     """Exercise 3.2: ``fn(vocab_size, d_model)`` returns a random ``W_E`` whose every row has RMS norm exactly 1."""
 
     def checks():
@@ -68,7 +68,7 @@ def check_rms_init(fn: Callable) -> bool:
                       "Every token's vector starts with RMS norm exactly 1.")
 
 
-def check_softmax(fn: Callable) -> bool:
+def check_softmax(fn: Callable) -> Verdict:
     """Exercise 3.3: ``fn(logits)`` is a numerically stable softmax over the last dimension."""
 
     def checks():
@@ -96,7 +96,7 @@ def check_softmax(fn: Callable) -> bool:
                       "Every entry is positive and each row sums to 1, even for huge logits.")
 
 
-def check_tying_savings(fn: Callable) -> bool:
+def check_tying_savings(fn: Callable) -> Verdict:
     """Exercise 3.4: ``fn(vocab_size, d_model, n_layers)`` returns ``(saved, fraction)`` for weight tying."""
 
     cases = [(50257, 768, 12), (32000, 1000, 4), (84, 256, 6)]

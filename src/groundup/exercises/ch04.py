@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from groundup.exercises.checking import expect, expect_close, expect_tensor, run_checks
+from groundup.exercises.checking import Verdict, expect, expect_close, expect_tensor, run_checks
 from groundup.positional import RotaryEmbedding, alibi_slopes, sinusoidal_encoding
 
 __all__ = ["check_alibi_half_life", "check_apply_rotary", "check_shift_matrix", "check_sinusoidal_encoding"]
@@ -17,7 +17,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-4) -> bool:
     return a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=atol, rtol=0)
 
 
-def check_sinusoidal_encoding(fn: Callable) -> bool:
+def check_sinusoidal_encoding(fn: Callable) -> Verdict:
     """Exercise 4.1: ``fn(n_positions, d_model)`` returns P[k, 2i] = sin(k / 10000^(2i/d)), P[k, 2i+1] = cos(...)."""
 
     def checks():
@@ -55,7 +55,7 @@ def check_sinusoidal_encoding(fn: Callable) -> bool:
                       "Every row is bounded by 1 and every position gets its own pattern.")
 
 
-def check_apply_rotary(fn: Callable) -> bool:
+def check_apply_rotary(fn: Callable) -> Verdict:
     """Exercise 4.3: ``fn(x, positions)`` rotates pairs (2i, 2i+1) of x (..., seq, d) by positions * 10000^(-2i/d)."""
 
     def checks():
@@ -96,7 +96,7 @@ def check_apply_rotary(fn: Callable) -> bool:
                       "Now <R_t q, R_i k> depends only on i - t.")
 
 
-def check_shift_matrix(fn: Callable) -> bool:
+def check_shift_matrix(fn: Callable) -> Verdict:
     """Exercise 4.2: ``fn(delta, d_model)`` returns M with P(k + delta) = M P(k) for every k (sinusoidal P)."""
 
     def checks():
@@ -122,7 +122,7 @@ def check_shift_matrix(fn: Callable) -> bool:
                       "The same M works at every position k: a shift of the position is a rotation.")
 
 
-def check_alibi_half_life(fn: Callable) -> bool:
+def check_alibi_half_life(fn: Callable) -> Verdict:
     """Exercise 4.4: ``fn(n_heads)`` returns, per head, the distance at which ALiBi alone halves the weight."""
 
     def checks():

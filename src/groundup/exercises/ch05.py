@@ -7,12 +7,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from groundup.exercises.checking import expect, expect_close, expect_tensor, run_checks
+from groundup.exercises.checking import Verdict, expect, expect_close, expect_tensor, run_checks
 
 __all__ = ["check_attention", "check_padding_mask", "check_split_heads", "check_mha_parameters"]
 
 
-def check_attention(fn: Callable) -> bool:
+def check_attention(fn: Callable) -> Verdict:
     """Exercise 5.1: ``fn(q, k, v, mask=None)`` returns ``(out, weights)`` of masked scaled dot-product attention."""
 
     def checks():
@@ -49,7 +49,7 @@ def check_attention(fn: Callable) -> bool:
                       "It agrees with F.scaled_dot_product_attention, with and without a mask.")
 
 
-def check_padding_mask(fn: Callable) -> bool:
+def check_padding_mask(fn: Callable) -> Verdict:
     """Exercise 5.2: ``fn(lengths, n)`` returns the bool padding mask of shape ``(batch, 1, 1, n)``."""
 
     def checks():
@@ -72,7 +72,7 @@ def check_padding_mask(fn: Callable) -> bool:
     return run_checks("Exercise 5.2 (padding mask)", checks, "Padding tokens now get attention weight exactly 0.")
 
 
-def check_split_heads(fn: Callable) -> bool:
+def check_split_heads(fn: Callable) -> Verdict:
     """Exercise 5.3: ``fn(x, n_heads)`` maps ``(batch, seq, d_model)`` to ``(batch, n_heads, seq, d_head)``."""
 
     def checks():
@@ -96,7 +96,7 @@ def check_split_heads(fn: Callable) -> bool:
                       "Head h sees features h*d_head:(h+1)*d_head of every position.")
 
 
-def check_mha_parameters(fn: Callable) -> bool:
+def check_mha_parameters(fn: Callable) -> Verdict:
     """Exercise 5.4: ``fn(d_model, n_heads, d_head)`` counts MultiHeadAttention's parameters (with biases)."""
 
     def expected(d, h, dh):

@@ -7,14 +7,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from groundup.exercises.checking import expect, expect_close, expect_tensor, run_checks
+from groundup.exercises.checking import Verdict, expect, expect_close, expect_tensor, run_checks
 from groundup.layers import TransformerBlock
 from groundup.models import GPT, GPTConfig
 
 __all__ = ["check_layer_norm", "check_parameter_count", "check_pre_ln_block", "check_rms_norm"]
 
 
-def check_layer_norm(fn: Callable) -> bool:
+def check_layer_norm(fn: Callable) -> Verdict:
     """Exercise 6.1: ``fn(x, weight, bias, eps)`` is LayerNorm over the last dimension, ε under the square root."""
 
     def checks():
@@ -52,7 +52,7 @@ def check_layer_norm(fn: Callable) -> bool:
     return run_checks("Exercise 6.1 (LayerNorm)", checks, "It matches torch.nn.functional.layer_norm.")
 
 
-def check_rms_norm(fn: Callable) -> bool:
+def check_rms_norm(fn: Callable) -> Verdict:
     """Exercise 6.2: ``fn(x, weight, eps)`` is RMSNorm: ``weight * x / sqrt(mean(x²) + eps)`` over the last dim."""
 
     def checks():
@@ -77,7 +77,7 @@ def _block_config(norm_position: str):
                      norm_position=norm_position)
 
 
-def check_pre_ln_block(fn: Callable) -> bool:
+def check_pre_ln_block(fn: Callable) -> Verdict:
     """Exercise 6.3: ``fn(x, block, mask)`` computes a Pre-LN block's forward pass from the block's sub-modules."""
 
     def checks():
@@ -126,7 +126,7 @@ _COUNT_CASES = [
 ]
 
 
-def check_parameter_count(fn: Callable) -> bool:
+def check_parameter_count(fn: Callable) -> Verdict:
     """Exercise 6.4: ``fn(config)`` counts a GPT's parameters by formula, equal to ``sum(p.numel())``."""
 
     def checks():

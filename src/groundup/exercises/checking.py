@@ -1,13 +1,13 @@
 """The small toolkit every chapter's checkers are written with.
 
 A checker is a function ``check_<name>(fn)`` that hands ``run_checks`` a title and a function of no
-arguments that exercises ``fn`` and raises :class:`Mismatch` (through :func:`expect` or
-:func:`expect_close`) at the first wrong answer. ``run_checks`` turns the outcome into a printed verdict.
+arguments that exercises ``fn`` and raises :class:`Mismatch` (through :func:`expect`, :func:`expect_close` or
+:func:`expect_tensor`) at the first wrong answer. ``run_checks`` turns the outcome into a printed verdict and
+returns a :class:`Verdict`, true when the reader's function passed.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -58,26 +58,41 @@ def expect_close(got, expected, what: str, hint: str = "", *, rtol: float = 1e-4
         raise Mismatch(f"{what}: {detail}", hint)
 
 
-def run_checks(title: str, checks: Callable[[], None], success: str = "") -> bool:
-    """Run ``checks`` and print one verdict line (plus a hint line when it failed); return whether it passed."""
+class Verdict:
+    """What a checker returns: true when the reader's function passed.
+
+    The checker has already printed the verdict, so in a notebook a ``Verdict`` displays nothing (a bare
+    ``True``/``False`` under the message would only repeat it); in code use it as a bool.
+    """
+
+    def __init__(self, passed: bool):
+        self.passed = passed
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __repr__(self) -> str:
+        return f"Verdict(passed={self.passed})"
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def run_checks(title: str, checks: Callable[[], None], success: str = "") -> Verdict:
+    """Run ``checks``, print one verdict line (plus a hint line when it failed) and return the :class:`Verdict`."""
     try:
         checks()
     except NotImplementedError:
         print(f"⏳ {title}: not attempted yet. Replace `raise NotImplementedError` with your code "
               "and run the cell again.")
-        return False
+        return Verdict(False)
     except Mismatch as m:
         print(f"❌ {title}: {m.what}")
         if m.hint:
             print(f"   Hint: {m.hint}")
-        return False
+        return Verdict(False)
     except Exception as err:  # noqa: BLE001 -- any crash in the reader's code becomes a verdict, not a traceback
         print(f"❌ {title}: your function raised {type(err).__name__}: {err}")
-        return False
+        return Verdict(False)
     print(f"✅ {title}: correct." + (f" {success}" if success else ""))
-    return True
-
-
-def isclose(a: float, b: float, rel: float = 1e-6) -> bool:
-    """``math.isclose`` with the tolerance the checkers use for plain floats."""
-    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+    return Verdict(True)
