@@ -56,3 +56,16 @@ def test_expect_tensor_names_the_call_and_returns_the_tensor():
     with pytest.raises(Mismatch, match=r"f\(x\) returned a list") as err:
         expect_tensor([1.0], "f(x)", "Use torch.tensor.")
     assert err.value.hint == "Use torch.tensor."
+
+
+def test_checkers_leave_the_readers_random_state_alone():
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+
+    def seeding_checks():
+        torch.manual_seed(123)
+        torch.rand(100)
+
+    run_checks("Exercise 0.5", seeding_checks)
+    assert torch.equal(torch.rand(3), expected)

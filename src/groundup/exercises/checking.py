@@ -81,7 +81,8 @@ class Verdict:
 def run_checks(title: str, checks: Callable[[], None], success: str = "") -> Verdict:
     """Run ``checks``, print one verdict line (plus a hint line when it failed) and return the :class:`Verdict`."""
     try:
-        checks()
+        with torch.random.fork_rng(devices=[]):  # checkers may seed; the reader's random state stays as it was
+            checks()
     except NotImplementedError:
         print(f"⏳ {title}: not attempted yet. Replace `raise NotImplementedError` with your code "
               "and run the cell again.")
