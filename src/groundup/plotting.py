@@ -8,8 +8,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
+import numpy as np
 
 COLUMN = (6.4, 3.6)  # inches: the width of the book's text column
+
+
+def _as_array(values) -> np.ndarray:
+    """A tensor (detached, on the CPU) or array-like as a NumPy array."""
+    return values.detach().cpu().numpy() if hasattr(values, "detach") else np.asarray(values)
 
 
 def plot_losses(curves: Mapping[str, Sequence[float]], *, steps: Sequence[int] | None = None,
@@ -83,8 +89,6 @@ def plot_loss_vs_logit_scale(logit_rms: Sequence[float], losses: Sequence[float]
                          f"{len(losses)}")
     if not isinstance(vocab_size, int) or vocab_size < 2:
         raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
-    import numpy as np
-
     ln_v = float(np.log(vocab_size))
     s = np.geomspace(min(logit_rms) / 1.5, max(logit_rms) * 1.5, 200)
     fig, ax = plt.subplots(figsize=COLUMN)
@@ -109,9 +113,7 @@ def plot_attention(weights, *, queries: Sequence[str] | None = None, keys: Seque
     array; a leading batch dimension of 1 is dropped). ``queries`` / ``keys`` label the rows / columns (e.g. the
     tokens); ``annotate`` writes each weight into its cell (for small maps). The colour scale is 0..1.
     """
-    import numpy as np
-
-    w = weights.detach().cpu().numpy() if hasattr(weights, "detach") else np.asarray(weights)
+    w = _as_array(weights)
     if w.ndim == 4 and w.shape[0] == 1:
         w = w[0]
     if w.ndim == 2:
@@ -158,9 +160,7 @@ def plot_positional_encoding(table, *, title: str = "Sinusoidal positional encod
     Also draws an additive score bias ``[n, n]`` (one head of ``alibi_bias`` or ``RelativePositionBias``) when
     given suitable labels, e.g. ``xlabel="key position i", ylabel="query position t"``.
     """
-    import numpy as np
-
-    p = table.detach().cpu().numpy() if hasattr(table, "detach") else np.asarray(table)
+    p = _as_array(table)
     if p.ndim != 2:
         raise ValueError(f"table must have shape (n_positions, d), got {tuple(p.shape)}")
     fig, ax = plt.subplots(figsize=COLUMN, layout="constrained")
