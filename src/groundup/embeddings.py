@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 INITS = ("rms", "normal", "small")
@@ -83,13 +84,15 @@ class TokenEmbedding(nn.Module):
             raise TypeError(f"ids must be a torch.Tensor of integer token ids, got {type(ids).__name__}")
         if ids.dtype not in _INTEGER_DTYPES:
             raise TypeError(f"ids must have an integer dtype (e.g. torch.long), got {ids.dtype}")
-        if ids.numel() > 0:
+        try:
+            # F.embedding is the row lookup W_E[ids]; its backward is a fast scatter-add of rows. It checks the
+            # range itself on the CPU, so a valid batch costs no extra pass over the ids (and no host sync on GPU).
+            return F.embedding(ids.long(), self.weight)
+        except IndexError:
             lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"ids must lie in [0, {self.vocab_size - 1}] (vocab_size={self.vocab_size}), "
-                                 f"got {bad}")
-        return self.weight[ids.long()]
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"ids must lie in [0, {self.vocab_size - 1}] (vocab_size={self.vocab_size}), "
+                             f"got {bad}") from None
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, d_model={self.d_model}, init={self.init!r}"
