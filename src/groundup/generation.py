@@ -1,0 +1,202 @@
+"""Generating text with a trained GPT (chapter 8): the decoder feeds its own predictions back.
+
+* :func:`generate` -- the sampling loop: greedy (argmax) decoding or sampling with a temperature, top-k and
+  top-p (nucleus) filtering, with or without a KV cache, for a batch of prompts;
+* :func:`top_k_filter` -- keep the ``k`` largest logits of every distribution (Fan et al., 2018);
+* :func:`top_p_filter` -- keep the smallest set of most probable tokens whose probability reaches ``p``
+  (Holtzman et al., 2020).
+
+The filters return new logits with the removed entries set to ``-inf`` (so a softmax gives them probability
+exactly 0); they never modify their input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["generate", "top_k_filter", "top_p_filter", "TOP_P_TOLERANCE"]
+
+TOP_P_TOLERANCE = 1e-6
+"""Probability mass by which a cumulative sum may fall short of ``p`` and still count as reaching it.
+
+The seeds' example (bananas 0.1, cherries 0.05, fruit 0.03, p = 0.18) sums to 0.18 exactly in decimal, but in
+floating point ``0.1 + 0.05 + 0.03`` may come out a few units of 1e-8 below 0.18, and a softmax adds errors of
+the same size; without a tolerance the filter would then also keep the next token (cake).
+"""
+
+
+def _check_logits(logits) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor, got dtype {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have shape (..., vocab_size) with vocab_size >= 1, got {tuple(logits.shape)}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_top_k(k) -> None:
+    if not _is_int(k) or k < 1:
+        raise ValueError(f"top_k must be an integer >= 1 (or None for no top-k filtering), got {k!r}")
+
+
+def _check_top_p(p) -> None:
+    if not _is_number(p) or not 0.0 < p <= 1.0:  # also rejects nan
+        raise ValueError(f"top_p must be a number in (0, 1] (or None for no top-p filtering), got {p!r}")
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the ``k`` largest logits along the last dimension; set every other entry to ``-inf``.
+
+    A logit is kept when it is ``>=`` the k-th largest value, so tokens tied with the k-th are all kept (as in
+    nanoGPT and Hugging Face's ``TopKLogitsWarper``) and the result may keep more than ``k`` tokens. A ``k``
+    larger than the vocabulary keeps everything. Returns a new tensor; ``logits`` is not modified.
+    """
+    _check_logits(logits)
+    _check_top_k(k)
+    k = min(k, logits.shape[-1])
+    kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most probable tokens whose total probability reaches ``p`` (nucleus sampling).
+
+    Along the last dimension the tokens are sorted by probability (softmax of ``logits``), most probable first,
+    ties in index order. A token is kept when the probability of the tokens before it is still below ``p``, so
+    the token whose probability makes the total cross (or reach) ``p`` is kept and at least one token always
+    is. "Reaches" allows a shortfall of :data:`TOP_P_TOLERANCE` (1e-6) for floating-point rounding: with the
+    seeds' probabilities bananas 0.1, cherries 0.05, fruit 0.03, cake 0.02 and ``p = 0.18``, bananas,
+    cherries and fruit are kept and cake is not. ``p = 1`` keeps every token. Removed entries become ``-inf``;
+    returns a new tensor, ``logits`` is not modified.
+    """
+    _check_logits(logits)
+    _check_top_p(p)
+    if p == 1.0:
+        return logits.clone()
+    work_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    probs = torch.softmax(logits.to(work_dtype), dim=-1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # probability of the tokens ranked higher
+    remove_sorted = mass_before >= p - TOP_P_TOLERANCE
+    remove_sorted[..., 0] = False  # the most probable token always stays
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def _check_generate_args(model, idx, max_new_tokens, temperature, top_k, top_p, greedy, use_cache, generator):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module such as groundup.models.GPT, got {type(model).__name__}")
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "context_length") or not hasattr(config, "vocab_size"):
+        raise TypeError("model must have a config with context_length and vocab_size (a groundup.models.GPT)")
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"idx must be a torch.Tensor of token ids of shape (batch, seq), got {type(idx).__name__}")
+    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise TypeError(f"idx must hold integer token ids (e.g. torch.long), got dtype {idx.dtype}")
+    if idx.dim() != 2:
+        raise ValueError(f"idx must have shape (batch, seq), got {tuple(idx.shape)}"
+                         + ("; for a single prompt use idx.unsqueeze(0)" if idx.dim() == 1 else ""))
+    if idx.shape[0] == 0:
+        raise ValueError(f"idx must hold at least one prompt (batch >= 1), got shape {tuple(idx.shape)}")
+    if idx.shape[1] == 0:
+        raise ValueError("the prompt is empty (idx has shape (batch, 0)): give at least one token id per prompt, "
+                         "e.g. a newline or a start token")
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= config.vocab_size:
+        raise ValueError(f"idx holds token ids from {lo} to {hi}, outside the vocabulary: ids must be in "
+                         f"[0, vocab_size - 1] = [0, {config.vocab_size - 1}]")
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite number > 0 (1.0 samples from the model's own "
+                         f"distribution; for argmax decoding use greedy=True), got {temperature!r}")
+    if top_k is not None:
+        _check_top_k(top_k)
+    if top_p is not None:
+        _check_top_p(top_p)
+    for name, value in (("greedy", greedy), ("use_cache", use_cache)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
+def _next_token(logits: torch.Tensor, *, temperature, top_k, top_p, greedy, generator) -> torch.Tensor:
+    """One new id per row of ``logits (batch, vocab_size)``: the argmax, or a sample after the transformations."""
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    if greedy:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if generator is not None and generator.device != probs.device:  # e.g. a CPU generator for a CUDA model
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).to(probs.device)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
+             generator: torch.Generator | None = None, greedy: bool = False) -> torch.Tensor:
+    """Continue each prompt in ``idx (batch, seq)`` by ``max_new_tokens`` tokens, feeding every prediction back.
+
+    Returns the prompts followed by the new ids, a ``(batch, seq + max_new_tokens)`` LongTensor on the model's
+    device. Each step turns the model's last-position logits into one token per row:
+
+    * ``greedy=True``: the most probable token (argmax); the other sampling options change nothing;
+    * otherwise a sample from ``softmax`` of the logits after, in this order (as in nanoGPT and Hugging Face):
+      division by ``temperature`` (< 1 sharpens, > 1 flattens), :func:`top_k_filter` with ``top_k`` and
+      :func:`top_p_filter` with ``top_p``. ``generator`` (a ``torch.Generator``) makes the samples
+      reproducible; one ``torch.multinomial`` draw per step.
+
+    The model runs under ``torch.no_grad()`` in eval mode (no dropout); its training flag is restored at the end.
+
+    **Context and KV cache.** Every step conditions on the last ``min(length, context_length)`` tokens, so
+    generation goes on past the context by cropping the oldest tokens. With ``use_cache=True`` the keys and values
+    of earlier positions are kept (a :class:`~groundup.attention.KVCache` per layer) and each step runs only the
+    newest token, while the sequence fits the context. Once it no longer fits, every step re-runs the cropped
+    window from scratch, because cropping invalidates the cache in every positional family: with learned or
+    sinusoidal positions every token's position shifts, so even layer 1's keys change; with RoPE, ALiBi or the
+    relative bias (and with no positions at all) layer 1's keys depend only on the token and its offset and would
+    stay valid, but from layer 2 on every key was computed from hidden states that attended to the dropped
+    tokens. A rolling-buffer cache that keeps them anyway (sliding-window attention) is an approximation, which
+    we do not make: cached and uncached generation produce the same tokens, up to floating-point rounding in
+    the logits (identical in practice).
+
+    Raises ``ValueError``/``TypeError`` for an empty prompt, ids outside ``[0, vocab_size)``, ``temperature <= 0``,
+    ``top_k < 1``, ``top_p`` outside (0, 1], a negative ``max_new_tokens`` or arguments of the wrong type.
+    """
+    _check_generate_args(model, idx, max_new_tokens, temperature, top_k, top_p, greedy, use_cache, generator)
+    context_length = model.config.context_length
+    device = next(model.parameters()).device
+    out = idx.to(device=device, dtype=torch.long)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            cache = model.new_cache() if use_cache else None
+            for _ in range(max_new_tokens):
+                if cache is not None and out.shape[1] <= context_length:
+                    cached = len(cache[0])
+                    logits, _ = model(out[:, cached:], cache=cache)  # the whole prompt once, then one token
+                else:  # no cache, or the sequence outgrew the context: run the last context_length tokens
+                    logits, _ = model(out[:, -context_length:])
+                new = _next_token(logits[:, -1, :], temperature=temperature, top_k=top_k, top_p=top_p,
+                                  greedy=greedy, generator=generator)
+                out = torch.cat([out, new.to(torch.long)], dim=1)
+    finally:
+        model.train(was_training)
+    return out

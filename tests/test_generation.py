@@ -1,0 +1,382 @@
+"""Tests for groundup.generation: the top-k and top-p filters, and generate() with and without the KV cache."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from groundup.attention import KVCache
+from groundup.generation import TOP_P_TOLERANCE, generate, top_k_filter, top_p_filter
+from groundup.models import GPT, POSITIONALS, GPTConfig
+
+INF = float("-inf")
+SEEDS_PROBS = [0.1, 0.05, 0.03, 0.02]  # bananas, cherries, fruit, cake (the seeds' example)
+
+
+def seeds_logits(dtype=torch.float32, shift=0.0):
+    """Log-probabilities of the seeds' example: the four fruits, then 0.8 spread over 80 other tokens of 0.01."""
+    probs = torch.tensor(SEEDS_PROBS + [0.01] * 80, dtype=torch.float64)
+    return (probs.log() + shift).to(dtype)
+
+
+def small_gpt(positional="learned", context_length=8, dtype=torch.float64, seed=0, **kw):
+    torch.manual_seed(seed)
+    config = GPTConfig(vocab_size=11, context_length=context_length, d_model=16, n_layers=2, n_heads=2,
+                       positional=positional, **kw)
+    return GPT(config).to(dtype)
+
+
+def reference_greedy(model, idx, n):
+    """Greedy decoding written independently: the full forward pass over the last n_C tokens, argmax."""
+    out = idx.clone()
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _ = model(out[:, -model.config.context_length:])
+            out = torch.cat([out, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return out
+
+
+class FixedLogits(nn.Module):
+    """A stand-in model whose next-token logits are always the same vector (for testing the sampling step)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = nn.Parameter(torch.as_tensor(logits, dtype=torch.float64), requires_grad=False)
+        self.config = GPTConfig(vocab_size=len(logits), context_length=4, d_model=2, n_layers=1, n_heads=1)
+
+    def new_cache(self):
+        return [KVCache()]
+
+    def forward(self, idx, targets=None, *, cache=None):
+        return self.logits.expand(idx.shape[0], idx.shape[1], -1), None
+
+
+# ---- top_k_filter ----------------------------------------------------------------------------------------
+
+
+def test_top_k_keeps_the_k_largest():
+    logits = torch.tensor([[1.0, 5.0, 3.0, -2.0, 4.0], [0.0, -1.0, 2.0, 1.0, 3.0]])
+    got = top_k_filter(logits, 2)
+    assert torch.equal(got, torch.tensor([[INF, 5.0, INF, INF, 4.0], [INF, INF, 2.0, INF, 3.0]]))
+
+
+def test_top_k_keeps_ties_at_the_boundary():
+    logits = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0])
+    assert torch.equal(top_k_filter(logits, 2), torch.tensor([INF, 3.0, 3.0, INF, 3.0]))
+    assert torch.equal(top_k_filter(logits, 4), logits.masked_fill(logits < 2.0, INF))
+
+
+def test_top_k_larger_than_the_vocabulary_keeps_everything():
+    logits = torch.randn(3, 7)
+    assert torch.equal(top_k_filter(logits, 7), logits)
+    assert torch.equal(top_k_filter(logits, 100), logits)
+
+
+def test_top_k_one_is_the_argmax_and_dtype_is_kept():
+    logits = torch.randn(4, 9, dtype=torch.float64)
+    got = top_k_filter(logits, 1)
+    assert got.dtype == torch.float64
+    assert torch.equal(torch.isfinite(got).nonzero()[:, 1], logits.argmax(-1))
+
+
+def test_top_k_does_not_modify_its_input():
+    logits = torch.randn(2, 6)
+    before = logits.clone()
+    out = top_k_filter(logits, 2)
+    assert torch.equal(logits, before) and out.data_ptr() != logits.data_ptr()
+
+
+@pytest.mark.parametrize("k", [0, -1, 1.5, True, "2", None])
+def test_top_k_rejects_bad_k(k):
+    with pytest.raises(ValueError, match="top_k must be an integer >= 1"):
+        top_k_filter(torch.randn(5), k)
+
+
+def test_filters_reject_bad_logits():
+    for f, arg in ((top_k_filter, 2), (top_p_filter, 0.5)):
+        with pytest.raises(TypeError, match="logits must be a torch.Tensor"):
+            f([1.0, 2.0], arg)
+        with pytest.raises(TypeError, match="floating-point"):
+            f(torch.tensor([1, 2]), arg)
+        with pytest.raises(ValueError, match="vocab_size >= 1"):
+            f(torch.tensor(1.0), arg)
+        with pytest.raises(ValueError, match="vocab_size >= 1"):
+            f(torch.empty(2, 0), arg)
+
+
+# ---- top_p_filter ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shift", [0.0, 3.7, -12.0])
+def test_top_p_seeds_example_keeps_bananas_cherries_and_fruit(dtype, shift):
+    got = top_p_filter(seeds_logits(dtype, shift), 0.18)
+    assert torch.isfinite(got).nonzero().flatten().tolist() == [0, 1, 2]  # not cake
+    assert got.dtype == dtype
+
+
+def test_top_p_counts_a_float_shortfall_below_the_tolerance_as_reaching_p():
+    # the first three tokens sum to 0.18 - 1e-9: "reaches" p within the tolerance, so the fourth is dropped
+    probs = torch.tensor([0.1, 0.05, 0.03 - 1e-9, 0.02 + 1e-9] + [0.01] * 80, dtype=torch.float64)
+    assert torch.isfinite(top_p_filter(probs.log(), 0.18)).sum() == 3
+    # a real shortfall (1e-4 > the tolerance) keeps the token that crosses p
+    probs = torch.tensor([0.1, 0.05, 0.03 - 1e-4, 0.02 + 1e-4] + [0.01] * 80, dtype=torch.float64)
+    assert torch.isfinite(top_p_filter(probs.log(), 0.18)).sum() == 4
+    assert TOP_P_TOLERANCE == 1e-6
+
+
+def test_top_p_keeps_the_token_that_crosses_p():
+    logits = seeds_logits(torch.float64)
+    for p, kept in [(0.05, 1), (0.1, 1), (0.11, 2), (0.15, 2), (0.16, 3), (0.19, 4), (0.2, 4), (0.201, 5)]:
+        assert torch.isfinite(top_p_filter(logits, p)).sum().item() == kept, p
+
+
+def test_top_p_always_keeps_the_most_probable_token_and_p_one_keeps_all():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, -3.0, -40.0]])
+    assert torch.equal(torch.isfinite(top_p_filter(logits, 1e-9)), torch.tensor([[0, 1, 0], [1, 0, 0]]).bool())
+    assert torch.equal(top_p_filter(logits, 1.0), logits)  # even the 1e-20 token stays
+
+
+def test_top_p_ties_in_index_order():
+    logits = torch.zeros(6)  # six tokens of 1/6: p = 0.3 needs two of them, the two lowest indices
+    assert torch.isfinite(top_p_filter(logits, 0.3)).nonzero().flatten().tolist() == [0, 1]
+    logits = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    assert torch.isfinite(top_p_filter(logits, 0.5)).nonzero().flatten().tolist() == [1, 3]
+
+
+def test_top_p_keeps_minus_inf_entries_removed():
+    logits = torch.tensor([INF, 1.0, 0.0, INF])
+    assert torch.equal(top_p_filter(logits, 0.99), torch.tensor([INF, 1.0, 0.0, INF]))
+
+
+def reference_top_p(row, p):
+    """A straightforward loop: add the most probable tokens one by one until their mass reaches p."""
+    probs = torch.softmax(row.double(), -1).tolist()
+    ranked = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    kept, mass = [], 0.0
+    for i in ranked:
+        kept.append(i)
+        mass += probs[i]
+        if mass >= p - TOP_P_TOLERANCE:
+            break
+    out = torch.full_like(row, INF)
+    out[kept] = row[kept]
+    return out
+
+
+def test_top_p_matches_a_straightforward_reference_on_random_logits():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, 20, generator=g, dtype=torch.float64) * 2
+    for p in [0.1, 0.5, 0.9, 0.999]:
+        got = top_p_filter(logits, p)
+        expected = torch.stack([reference_top_p(row, p) for row in logits])
+        assert torch.equal(got, expected), p
+
+
+def test_top_p_works_on_any_leading_shape_and_does_not_modify_input():
+    logits = torch.randn(2, 3, 10)
+    before = logits.clone()
+    got = top_p_filter(logits, 0.7)
+    assert torch.equal(logits, before) and got.shape == (2, 3, 10)
+    assert torch.equal(got[1, 2], top_p_filter(logits[1, 2], 0.7))
+
+
+@pytest.mark.parametrize("p", [0, 0.0, -0.1, 1.0001, 2, float("nan"), True, "0.5", None])
+def test_top_p_rejects_p_outside_0_1(p):
+    with pytest.raises(ValueError, match=r"top_p must be a number in \(0, 1\]"):
+        top_p_filter(torch.randn(5), p)
+
+
+# ---- generate: results ------------------------------------------------------------------------------------
+
+
+def test_generate_returns_the_prompt_followed_by_new_ids():
+    model = small_gpt()
+    idx = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    out = generate(model, idx, 5, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (2, 8) and out.dtype == torch.long
+    assert torch.equal(out[:, :3], idx)
+    assert int(out.min()) >= 0 and int(out.max()) < 11
+    assert torch.equal(generate(model, idx, 0), idx)
+    assert torch.equal(generate(model, idx.int(), 2, greedy=True), generate(model, idx, 2, greedy=True))
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_greedy_equals_the_argmax_continuation_also_past_the_context(use_cache):
+    model = small_gpt(context_length=8)
+    idx = torch.tensor([[3, 1, 4]])
+    assert torch.equal(generate(model, idx, 12, greedy=True, use_cache=use_cache), reference_greedy(model, idx, 12))
+
+
+@pytest.mark.parametrize("positional", POSITIONALS)
+def test_cached_equals_uncached_in_every_family_past_the_context(positional):
+    model = small_gpt(positional, context_length=8)
+    idx = torch.tensor([[1, 5, 2], [7, 0, 9]])
+    greedy = [generate(model, idx, 14, greedy=True, use_cache=c) for c in (True, False)]
+    assert torch.equal(greedy[0], greedy[1])
+    assert torch.equal(greedy[0], reference_greedy(model, idx, 14))
+    sampled = [generate(model, idx, 14, temperature=1.5, top_k=8, top_p=0.95, use_cache=c,
+                        generator=torch.Generator().manual_seed(3)) for c in (True, False)]
+    assert torch.equal(sampled[0], sampled[1])
+
+
+def test_cached_equals_uncached_in_float32_and_with_a_prompt_longer_than_the_context():
+    model = small_gpt("rope", context_length=6, dtype=torch.float32)
+    idx = torch.randint(0, 11, (3, 9), generator=torch.Generator().manual_seed(1))
+    a = generate(model, idx, 10, use_cache=True, generator=torch.Generator().manual_seed(5))
+    b = generate(model, idx, 10, use_cache=False, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+    assert torch.equal(generate(model, idx, 4, greedy=True), reference_greedy(model, idx, 4))
+
+
+def test_the_cache_runs_one_token_per_step_while_the_sequence_fits():
+    model = small_gpt(context_length=8)
+    lengths = []
+    handle = model.token_embedding.register_forward_hook(lambda m, args, out: lengths.append(args[0].shape[1]))
+    generate(model, torch.tensor([[1, 2, 3]]), 8, greedy=True)
+    handle.remove()
+    # prefill the 3-token prompt, then one token per step while the sequence (3 to 8 tokens) fits the context,
+    # then the cropped window of the last 8 tokens (sequences of 9 and 10 tokens)
+    assert lengths == [3, 1, 1, 1, 1, 1, 8, 8]
+
+
+def test_a_generator_makes_sampling_reproducible():
+    model = small_gpt()
+    idx = torch.tensor([[1, 2]])
+    a = generate(model, idx, 20, generator=torch.Generator().manual_seed(7))
+    b = generate(model, idx, 20, generator=torch.Generator().manual_seed(7))
+    c = generate(model, idx, 20, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    torch.manual_seed(11)
+    d = generate(model, idx, 20)
+    torch.manual_seed(11)
+    assert torch.equal(d, generate(model, idx, 20))  # without a generator: the global random state
+
+
+def test_a_batch_generates_each_row_as_if_alone_when_greedy():
+    model = small_gpt("alibi")
+    idx = torch.tensor([[1, 2, 3], [9, 8, 7], [0, 0, 0]])
+    together = generate(model, idx, 10, greedy=True)
+    alone = torch.cat([generate(model, idx[i:i + 1], 10, greedy=True) for i in range(3)])
+    assert torch.equal(together, alone)
+
+
+def test_top_k_one_and_a_tiny_top_p_or_temperature_are_greedy():
+    model = small_gpt("relative")
+    idx = torch.tensor([[4, 2], [1, 1]])
+    greedy = generate(model, idx, 10, greedy=True)
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(generate(model, idx, 10, top_k=1, generator=g), greedy)
+    assert torch.equal(generate(model, idx, 10, top_p=1e-9, generator=g), greedy)
+    assert torch.equal(generate(model, idx, 10, temperature=1e-4, generator=g), greedy)
+
+
+def test_greedy_ignores_the_sampling_options_and_the_generator():
+    model = small_gpt()
+    idx = torch.tensor([[4, 2]])
+    g = torch.Generator().manual_seed(0)
+    state = g.get_state()
+    out = generate(model, idx, 6, greedy=True, temperature=3.0, top_k=2, top_p=0.5, generator=g)
+    assert torch.equal(out, generate(model, idx, 6, greedy=True))
+    assert torch.equal(g.get_state(), state)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.5, None, None), (2.0, None, None),
+                                                       (1.0, 2, None), (1.0, None, 0.7), (0.8, 3, 0.9)])
+def test_sampled_frequencies_follow_the_transformed_distribution(temperature, top_k, top_p):
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], dtype=torch.float64)
+    model = FixedLogits(logits)
+    n = 20000
+    out = generate(model, torch.zeros(n, 1, dtype=torch.long), 1, temperature=temperature, top_k=top_k,
+                   top_p=top_p, generator=torch.Generator().manual_seed(0))
+    freq = torch.bincount(out[:, 1], minlength=5).double() / n
+    expected = logits / temperature  # temperature first, then top-k, then top-p
+    if top_k is not None:
+        expected = top_k_filter(expected, top_k)
+    if top_p is not None:
+        expected = top_p_filter(expected, top_p)
+    expected = torch.softmax(expected, -1)
+    assert (freq[expected == 0] == 0).all()
+    assert torch.allclose(freq, expected, atol=4 * math.sqrt(0.25 / n))
+
+
+def test_temperature_comes_before_top_p():
+    # top-p after temperature 0.5: [0.88, 0.12] -> p=0.8 keeps one token; top-p on the raw logits would keep two
+    model = FixedLogits([1.0, 0.0])
+    out = generate(model, torch.zeros(500, 1, dtype=torch.long), 1, temperature=0.5, top_p=0.8,
+                   generator=torch.Generator().manual_seed(0))
+    assert (out[:, 1] == 0).all()
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_generate_runs_in_eval_mode_without_gradients_and_restores_the_flag(training):
+    model = small_gpt(dropout=0.5)
+    model.train(training)
+    seen = []
+    model.blocks[0].register_forward_hook(lambda m, a, o: seen.append((m.training, torch.is_grad_enabled())))
+    out = generate(model, torch.tensor([[1, 2]]), 6, greedy=True)
+    assert model.training is training
+    assert all(flags == (False, False) for flags in seen)
+    model.eval()
+    assert torch.equal(out, reference_greedy(model, torch.tensor([[1, 2]]), 6))  # dropout was off
+
+
+def test_generate_works_on_the_default_device():
+    from groundup import default_device
+
+    device = default_device()
+    model = small_gpt().to(device)
+    out = generate(model, torch.tensor([[1, 2]]), 4, generator=torch.Generator().manual_seed(0))
+    assert out.device.type == device.type and out.shape == (1, 6)
+
+
+# ---- generate: errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(temperature=0), ValueError, "temperature must be a finite number > 0"),
+    (dict(temperature=-1.0), ValueError, "temperature must be a finite number > 0"),
+    (dict(temperature=float("inf")), ValueError, "temperature must be a finite number > 0"),
+    (dict(temperature=float("nan")), ValueError, "temperature must be a finite number > 0"),
+    (dict(temperature="hot"), ValueError, "temperature must be a finite number > 0"),
+    (dict(top_k=0), ValueError, "top_k must be an integer >= 1"),
+    (dict(top_k=2.0), ValueError, "top_k must be an integer >= 1"),
+    (dict(top_p=0.0), ValueError, r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=1.5), ValueError, r"top_p must be a number in \(0, 1\]"),
+    (dict(greedy=1), TypeError, "greedy must be True or False"),
+    (dict(use_cache=None), TypeError, "use_cache must be True or False"),
+    (dict(generator=0), TypeError, "generator must be a torch.Generator"),
+])
+def test_generate_rejects_bad_sampling_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        generate(small_gpt(), torch.tensor([[1, 2]]), 3, **kwargs)
+
+
+@pytest.mark.parametrize("n", [-1, 2.0, None, True])
+def test_generate_rejects_a_bad_max_new_tokens(n):
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
+        generate(small_gpt(), torch.tensor([[1]]), n)
+
+
+@pytest.mark.parametrize("idx, error, match", [
+    (torch.zeros(1, 0, dtype=torch.long), ValueError, "the prompt is empty"),
+    (torch.zeros(0, 3, dtype=torch.long), ValueError, "at least one prompt"),
+    (torch.tensor([1, 2]), ValueError, r"shape \(batch, seq\).*unsqueeze\(0\)"),
+    (torch.zeros(1, 2, 3, dtype=torch.long), ValueError, r"shape \(batch, seq\)"),
+    (torch.tensor([[1, 11]]), ValueError, r"from 1 to 11, outside the vocabulary.*\[0, 10\]"),
+    (torch.tensor([[-1, 3]]), ValueError, "outside the vocabulary"),
+    (torch.tensor([[1.0, 2.0]]), TypeError, "integer token ids"),
+    (torch.tensor([[True]]), TypeError, "integer token ids"),
+    ([[1, 2]], TypeError, "idx must be a torch.Tensor"),
+])
+def test_generate_rejects_bad_prompts(idx, error, match):
+    with pytest.raises(error, match=match):
+        generate(small_gpt(), idx, 3)
+
+
+def test_generate_rejects_something_that_is_not_a_model():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        generate(lambda idx: idx, torch.tensor([[1]]), 3)
+    with pytest.raises(TypeError, match="config with context_length and vocab_size"):
+        generate(nn.Linear(2, 2), torch.tensor([[1]]), 3)
