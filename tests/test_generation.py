@@ -380,3 +380,19 @@ def test_generate_rejects_something_that_is_not_a_model():
         generate(lambda idx: idx, torch.tensor([[1]]), 3)
     with pytest.raises(TypeError, match="config with context_length and vocab_size"):
         generate(nn.Linear(2, 2), torch.tensor([[1]]), 3)
+
+
+# ---- the benchmark section (python -m groundup.bench generation) --------------------------------------------
+
+
+def test_bench_kv_cache_memory_formula_and_timing_helpers():
+    from groundup.bench import generation as bench
+    from groundup.bench.__main__ import SECTIONS
+
+    assert "generation" in SECTIONS
+    config = GPTConfig(**bench.CONFIG)
+    assert bench.kv_cache_bytes(config, 1) == 2 * 6 * 6 * 64 * 4 == 18432  # 18 KiB per token in float32
+    assert bench.kv_cache_bytes(config, 256, batch=2, bytes_per_number=2) == 18432 // 2 * 256 * 2
+    model = small_gpt(context_length=8)
+    rows = bench.speedup_by_length(model, [3, 7], repeat=1)
+    assert [n for n, _, _ in rows] == [3, 7] and all(t > 0 for _, a, b in rows for t in (a, b))
