@@ -2,6 +2,8 @@
 
 import os
 import random
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,3 +31,34 @@ def default_device() -> torch.device:
     if forced:
         return torch.device(forced)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def atomic_write_bytes(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers (and crashes) see the old file or the new one, never half.
+
+    The bytes go to a temporary file in the same folder, are flushed to disk (fsync), and the file is then
+    renamed over ``path`` (atomic on POSIX and Windows); the folder is fsynced so the rename survives a power cut.
+    A failure removes the temporary file and leaves any previous ``path`` untouched.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if hasattr(os, "O_DIRECTORY"):
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def atomic_write_text(path, text: str, encoding: str = "utf-8") -> None:
+    """:func:`atomic_write_bytes` for text: encodes first, so an unencodable string leaves the old file intact."""
+    atomic_write_bytes(path, text.encode(encoding))
