@@ -2,6 +2,8 @@
 
     groundup data [shakespeare|tinyshakespeare]   download, verify and cache a corpus; print its size
     groundup bench [section ...]                  print the performance figures
+    groundup train --out run/ [options]           train a character-level GPT (chapter 7's CPU recipe)
+    groundup sample run/ --prompt "ROMEO:"        generate text from a trained run (chapter 8)
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ def main(argv=None) -> int:
     data.add_argument("name", nargs="?", default="shakespeare")
     bench = sub.add_parser("bench", help="print the performance figures")
     bench.add_argument("sections", nargs="*")
+    from groundup import runs
+
+    runs.add_train_parser(sub)
+    runs.add_sample_parser(sub)
     args = parser.parse_args(argv)
+    if args.command in ("train", "sample"):
+        return args.handler(args)
 
     if args.command == "data":
         from groundup import data as data_module
