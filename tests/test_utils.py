@@ -29,3 +29,48 @@ def test_default_device_is_cpu_without_a_gpu_and_can_be_forced(monkeypatch):
     assert default_device().type == expected
     monkeypatch.setenv("GROUNDUP_DEVICE", "cpu")
     assert default_device() == torch.device("cpu")
+
+
+# ---- atomic writes -------------------------------------------------------------------------------------------
+
+def test_atomic_write_replaces_the_file_and_leaves_no_temporary(tmp_path):
+    from groundup.utils import atomic_write_bytes, atomic_write_text
+
+    path = tmp_path / "f.txt"
+    atomic_write_text(path, "first é")
+    assert path.read_text(encoding="utf-8") == "first é"
+    atomic_write_bytes(path, b"second")
+    assert path.read_bytes() == b"second"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+def test_atomic_write_failure_keeps_the_previous_file(tmp_path):
+    from groundup.utils import atomic_write_text
+
+    path = tmp_path / "f.json"
+    atomic_write_text(path, "old")
+    with pytest.raises(UnicodeEncodeError):
+        atomic_write_text(path, "lone surrogate \ud800")  # cannot be encoded: fails before anything is written
+    with pytest.raises(TypeError):
+        atomic_write_text(path, None)
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
+
+
+def test_atomic_write_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    import os
+
+    from groundup import utils
+
+    path = tmp_path / "f.bin"
+    utils.atomic_write_bytes(path, b"old")
+
+    def failing_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(utils.os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        utils.atomic_write_bytes(path, b"new" * 1000)
+    monkeypatch.undo()
+    assert path.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["f.bin"]

@@ -40,6 +40,8 @@ def atomic_write_bytes(path, data: bytes) -> None:
     renamed over ``path`` (atomic on POSIX and Windows); the folder is fsynced so the rename survives a power cut.
     A failure removes the temporary file and leaves any previous ``path`` untouched.
     """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data must be bytes, got {type(data).__name__}")
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -61,4 +63,6 @@ def atomic_write_bytes(path, data: bytes) -> None:
 
 def atomic_write_text(path, text: str, encoding: str = "utf-8") -> None:
     """:func:`atomic_write_bytes` for text: encodes first, so an unencodable string leaves the old file intact."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
     atomic_write_bytes(path, text.encode(encoding))
