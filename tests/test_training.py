@@ -296,3 +296,14 @@ def test_ctrl_c_saves_a_checkpoint_at_the_end_of_the_step(tmp_path, monkeypatch)
         train(tiny_model(), pattern_data(), pattern_data(), config(out_dir=tmp_path))
     assert load_checkpoint(tmp_path)[1]["step"] == 7
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler is restored"
+
+
+def test_a_time_budget_ends_the_run_and_decays_over_the_time():
+    c = config(max_steps=10**6, warmup_steps=3, time_budget=1.0, eval_interval=10**6)
+    history = train(tiny_model(), pattern_data(), pattern_data(seed=1), c)
+    assert 3 < history.step[-1] < 10**6 and history.eval_step == [history.step[-1]]
+    assert history.seconds[-1] >= 1.0
+    assert history.lr[:3] == pytest.approx([lr_at(s, c) for s in range(3)])
+    after = history.lr[3:]
+    assert all(a >= b for a, b in zip(after, after[1:])) and after[-1] < 0.5 * c.learning_rate
+    assert lr_at(5, c, progress=1.0) == pytest.approx(c.min_lr) and lr_at(5, c, progress=0.0) == c.learning_rate

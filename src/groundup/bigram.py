@@ -98,3 +98,70 @@ class BigramLM:
             nxt = torch.multinomial(self.probs[out[-1]], 1, generator=generator).item()
             out.append(nxt)
         return out
+
+
+class NGramLM:
+    """A count-based n-gram model with add-α smoothing: ``P(w_t | the n - 1 tokens before it)``.
+
+    ``P(b | c) = (count(c, b) + α) / (count(c) + α n_V)`` for every context ``c`` of ``n - 1`` tokens; a context
+    never seen in training gets the uniform distribution. ``n = 2`` is :class:`BigramLM`. Longer contexts see
+    more, but each one is seen more rarely: at a fixed amount of text the validation loss first falls with ``n``,
+    then rises again as most contexts become unseen or seen only once (chapters 1 and 7 measure it).
+
+    The counts are kept sparse: each context and each (context, next token) pair is encoded as one integer
+    (the ids as digits in base ``n_V``), sorted, and looked up by binary search.
+    """
+
+    def __init__(self, n: int, vocab_size: int, context_keys, context_counts, pair_keys, pair_counts, *,
+                 alpha: float = 1.0):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0 or alpha == float("inf"):
+            raise ValueError(f"alpha must be a positive finite number (add-α smoothing), got {alpha!r}")
+        if vocab_size ** n >= 2**63:
+            raise ValueError(f"n = {n} is too large for vocab_size = {vocab_size}: the n-gram keys overflow int64")
+        self.n, self.vocab_size, self.alpha = n, vocab_size, float(alpha)
+        self.context_keys, self.context_counts = context_keys, context_counts
+        self.pair_keys, self.pair_counts = pair_keys, pair_counts
+
+    @staticmethod
+    def _keys(ids: torch.Tensor, n: int, vocab_size: int) -> torch.Tensor:
+        """Integer code of every window of ``n`` consecutive ids (first id most significant)."""
+        keys = torch.zeros(len(ids) - n + 1, dtype=torch.long)
+        for j in range(n):
+            keys = keys * vocab_size + ids[j:len(ids) - n + 1 + j]
+        return keys
+
+    @classmethod
+    def fit(cls, ids: Sequence[int] | torch.Tensor, vocab_size: int, n: int, *, alpha: float = 1.0) -> NGramLM:
+        """Count every window of ``n`` tokens of ``ids`` and of its first ``n - 1`` tokens."""
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        ids = _as_ids(ids, vocab_size)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1 or len(ids) < n:
+            raise ValueError(f"n must be an integer in [1, len(ids)] = [1, {len(ids)}], got {n!r}")
+        pair_keys, pair_counts = cls._keys(ids, n, vocab_size).unique(return_counts=True)
+        # count(c) = Σ_b count(c, b): sum the pair counts of each context (pair keys are sorted, so contexts are too)
+        context_of_pair = pair_keys // vocab_size
+        context_keys, inverse = context_of_pair.unique_consecutive(return_inverse=True)
+        context_counts = torch.zeros(len(context_keys), dtype=torch.long).index_add_(0, inverse, pair_counts)
+        return cls(n, vocab_size, context_keys, context_counts, pair_keys, pair_counts, alpha=alpha)
+
+    @staticmethod
+    def _lookup(sorted_keys: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        where = torch.searchsorted(sorted_keys, queries).clamp(max=len(sorted_keys) - 1)
+        return torch.where(sorted_keys[where] == queries, counts[where], 0)
+
+    def log_probs(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """``log P(w_t | w_{t-n+1}, ..., w_{t-1})`` for every ``t >= n - 1`` (0-based) of ``ids``."""
+        ids = _as_ids(ids, self.vocab_size)
+        if len(ids) < self.n:
+            raise ValueError(f"ids must hold at least n = {self.n} tokens, got {len(ids)}")
+        pairs = self._keys(ids, self.n, self.vocab_size)
+        pair = self._lookup(self.pair_keys, self.pair_counts, pairs).double()
+        context = self._lookup(self.context_keys, self.context_counts, pairs // self.vocab_size).double()
+        return torch.log((pair + self.alpha) / (context + self.alpha * self.vocab_size))
+
+    def loss(self, ids: Sequence[int] | torch.Tensor) -> float:
+        """Mean next-token cross-entropy (nats) over the positions that have ``n - 1`` tokens before them."""
+        return float(-self.log_probs(ids).mean())

@@ -79,6 +79,8 @@ def add_train_parser(sub) -> None:
     budget = t.add_mutually_exclusive_group()
     budget.add_argument("--max-steps", type=int, help="number of updates" + _recipe("max_steps"))
     budget.add_argument("--max-tokens", type=int, help="training tokens (sets --max-steps to this / (batch x context))")
+    budget.add_argument("--minutes", type=float, help="train for this many minutes: the cosine runs over the time, "
+                        "not the steps (not reproducible: it depends on the machine's speed)")
     t.add_argument("--lr", type=float, help="peak learning rate" + _recipe("learning_rate"))
     t.add_argument("--min-lr", type=float, help="final learning rate of the cosine (default: lr / 10)")
     t.add_argument("--warmup", type=int, help="linear warm-up steps" + _recipe("warmup_steps"))
@@ -97,8 +99,8 @@ def add_train_parser(sub) -> None:
 
 
 _MODEL_AND_TRAINING_FLAGS = ("context", "d_model", "layers", "heads", "positional", "dropout", "batch_size",
-                             "max_steps", "max_tokens", "lr", "min_lr", "warmup", "weight_decay", "grad_clip",
-                             "eval_interval", "eval_batches", "seed")
+                             "max_steps", "max_tokens", "minutes", "lr", "min_lr", "warmup", "weight_decay",
+                             "grad_clip", "eval_interval", "eval_batches", "seed")
 
 
 def _configs_from_args(args, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
@@ -113,6 +115,8 @@ def _configs_from_args(args, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
                              dropout=pick("dropout", "dropout"))
     batch_size = pick("batch_size", "batch_size")
     max_steps = pick("max_steps", "max_steps")
+    if args.minutes is not None:
+        max_steps = 10**9  # the time budget ends the run
     if args.max_tokens is not None:
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
@@ -123,6 +127,7 @@ def _configs_from_args(args, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
         grad_clip=pick("grad_clip", "grad_clip") or None,
         eval_interval=min(pick("eval_interval", "eval_interval"), max_steps),
         eval_batches=pick("eval_batches", "eval_batches") or None, out_dir=args.out,
+        time_budget=None if args.minutes is None else args.minutes * 60,
         seed=0 if args.seed is None else args.seed, device=args.device, progress=not args.no_progress)
     return model_config, train_config
 

@@ -60,6 +60,11 @@ class TrainConfig:
     clipping). Every ``eval_interval`` steps (and at the last step) the validation loss is measured on
     ``eval_batches`` batches of non-overlapping windows (None: the whole validation set), and a checkpoint is
     written to ``out_dir`` (None: no checkpoints). ``resume=True`` continues from the checkpoint in ``out_dir``.
+
+    ``time_budget`` (seconds) trains for a fixed time instead: after the warm-up the cosine runs over the
+    remaining time rather than the remaining steps, and training stops when the time is spent (``max_steps``
+    still caps the number of steps). Such a run depends on the machine's speed, so it is not reproducible and a
+    resumed run is not bit-identical to an uninterrupted one; step-based runs are both.
     """
 
     batch_size: int = 16
@@ -74,6 +79,7 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     eval_interval: int = 250
     eval_batches: int | None = 20
+    time_budget: float | None = None
     out_dir: str | None = None
     resume: bool = False
     seed: int = 0
@@ -103,6 +109,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         if self.grad_clip is not None:
             _check_float("grad_clip", self.grad_clip, positive=True)
+        if self.time_budget is not None:
+            _check_float("time_budget", self.time_budget, positive=True)
         for name in ("resume", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -152,18 +160,20 @@ class History:
         return cls(**{k: list(v) for k, v in d.items()})
 
 
-def lr_at(step: int, config: TrainConfig) -> float:
+def lr_at(step: int, config: TrainConfig, *, progress: float | None = None) -> float:
     """The learning rate of update number ``step`` (0-based): linear warm-up, then cosine decay.
 
     ``lr(s) = lr_max (s + 1) / warmup`` for ``s < warmup``; afterwards, with ``p = (s - warmup) / (max_steps -
-    warmup)`` running from 0 to 1, ``lr(s) = min_lr + (lr_max - min_lr) (1 + cos(π p)) / 2``.
+    warmup)`` running from 0 to 1, ``lr(s) = min_lr + (lr_max - min_lr) (1 + cos(π p)) / 2``. A time-budgeted
+    run passes ``progress`` (the fraction of the post-warm-up time spent) as ``p`` instead.
     """
     _check_int("step", step, minimum=0)
     peak, low, warm = config.learning_rate, config.min_lr, config.warmup_steps
     if step < warm:
         return peak * (step + 1) / warm
-    decay_steps = max(config.max_steps - warm, 1)
-    progress = min((step - warm) / decay_steps, 1.0)
+    if progress is None:
+        progress = (step - warm) / max(config.max_steps - warm, 1)
+    progress = min(max(progress, 0.0), 1.0)
     return low + (peak - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -357,7 +367,8 @@ class _StopRequest:
 def _progress_bar(config: TrainConfig, start: int):
     from tqdm import tqdm
 
-    return tqdm(total=config.max_steps, initial=start, disable=not config.progress, unit="step",
+    total = None if config.time_budget is not None else config.max_steps
+    return tqdm(total=total, initial=start, disable=not config.progress, unit="step",
                 mininterval=1.0, dynamic_ncols=True, leave=True)
 
 
@@ -415,11 +426,22 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
 
     tokens_per_step = config.batch_size * n_c
     seconds = history.seconds[-1] if history.seconds else 0.0
+    warm_seconds = None  # a time-budgeted run: when the warm-up ended
     model.train()
     bar = _progress_bar(config, start)
     with _StopRequest() as stop, bar:
         tick, tick_step = time.perf_counter(), start
         for step in range(start, config.max_steps):
+            if config.time_budget is not None:
+                spent = seconds + time.perf_counter() - tick
+                if step == config.warmup_steps or warm_seconds is None and step > config.warmup_steps:
+                    warm_seconds = spent if step == config.warmup_steps else 0.0
+                if warm_seconds is not None:
+                    if spent >= config.time_budget:
+                        break
+                    progress = (spent - warm_seconds) / max(config.time_budget - warm_seconds, 1e-9)
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr_at(step, config, progress=progress)
             x, y = get_batch(train_data, config.batch_size, n_c, generator=generator)
             x, y = x.to(device), y.to(device)
             _, loss = model(x, y)
@@ -427,7 +449,7 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
             loss.backward()
             clip = config.grad_clip if config.grad_clip is not None else math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            lr = scheduler.get_last_lr()[0]
+            lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
             history.step.append(step + 1)
@@ -436,7 +458,8 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
             history.grad_norm.append(grad_norm.item())
             bar.update(1)
             done = step + 1
-            if done % config.eval_interval == 0 or done == config.max_steps:
+            out_of_time = config.time_budget is not None and seconds + time.perf_counter() - tick >= config.time_budget
+            if done % config.eval_interval == 0 or done == config.max_steps or out_of_time:
                 now = time.perf_counter()
                 seconds += now - tick
                 rate = (done - tick_step) * tokens_per_step / max(now - tick, 1e-9)
@@ -452,6 +475,8 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
                 tick, tick_step = time.perf_counter(), done
             elif done % 10 == 0:
                 bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+            if out_of_time:
+                break
             if stop.requested:
                 if history.eval_step[-1:] != [done]:
                     checkpoint(done)

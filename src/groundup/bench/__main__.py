@@ -9,7 +9,7 @@ import sys
 from groundup.bench import format_rows
 
 # Each name is a submodule of groundup.bench with a run() -> list[Row].
-SECTIONS = ["matmul", "attention", "tokenizers", "generation"]
+SECTIONS = ["matmul", "training", "attention", "tokenizers", "generation"]
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,118 @@
+"""Training throughput (chapter 7): our GPT's training step against the same architecture from PyTorch's modules.
+
+At nanoGPT's CPU shape (4 layers, 4 heads, d_model 128, context 64, batch 12, vocabulary 65, learned
+positions, no dropout) and at the book's CPU recipe (6 layers, 6 heads, d_model 192, context 128, batch 16,
+rotary positions), one training step is what :func:`groundup.training.train` does: forward, loss, backward,
+gradient clipping, fused AdamW. The reference at nanoGPT's shape is the same model built from
+``nn.TransformerEncoderLayer(norm_first=True)`` with a causal mask, a final ``nn.LayerNorm`` and a tied
+``nn.Linear`` head, trained the same way. The two are timed alternately; the figure is the median step.
+
+Throughput is given in tokens per second and as a fraction of the machine's float32 matmul peak (measured in
+the same run), counting ``6 N`` FLOPs per token for the ``N`` parameters of the matrix products (the weights
+touched once forward and twice backward) plus ``12 n_L n_C d_M`` for the attention scores and their use
+(Kaplan et al. 2020; nanoGPT's ``estimate_mfu``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from groundup.bench import Row
+from groundup.bench.matmul import matmul_peak_gflops
+from groundup.models import GPT, GPTConfig
+from groundup.training import param_groups
+
+NANOGPT_CPU = dict(vocab_size=65, context_length=64, d_model=128, n_layers=4, n_heads=4, positional="learned")
+NANOGPT_BATCH = 12
+RECIPE = dict(vocab_size=65, context_length=128, d_model=192, n_layers=6, n_heads=6, positional="rope")
+RECIPE_BATCH = 16
+
+
+class TorchModulesGPT(nn.Module):
+    """The same Pre-LN GPT from PyTorch's own modules: the reference our training step must keep up with."""
+
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.token_embedding = nn.Embedding(c.vocab_size, c.d_model)
+        self.position_embedding = nn.Embedding(c.context_length, c.d_model)
+        layer = nn.TransformerEncoderLayer(c.d_model, c.n_heads, c.d_ff, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, c.n_layers, enable_nested_tensor=False)
+        self.final_norm = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.head.weight = self.token_embedding.weight
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(c.context_length))
+
+    def forward(self, idx, targets):
+        n = idx.shape[1]
+        x = self.token_embedding(idx) + self.position_embedding(torch.arange(n))
+        x = self.blocks(x, mask=self.mask[:n, :n], is_causal=True)
+        logits = self.head(self.final_norm(x))
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def flops_per_token(config: GPTConfig) -> float:
+    """``6 N + 12 n_L n_C d_M``: N counts the weights of the matrix products (not the embedding lookup)."""
+    n_matmul = sum(p.numel() for name, p in GPT(config).named_parameters()
+                   if p.dim() == 2 and "position" not in name)
+    return 6 * n_matmul + 12 * config.n_layers * config.context_length * config.d_model
+
+
+def _step_fn(model: nn.Module, batch: int, n_c: int, vocab: int):
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, fused=True)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, vocab, (batch, n_c), generator=g), torch.randint(0, vocab, (batch, n_c), generator=g)
+
+    def step():
+        _, loss = model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    return step
+
+
+def median_steps(fns: dict, *, repeat: int = 30, warmup: int = 5) -> dict[str, float]:
+    """Median seconds per call of each function, called in turn so all see the same machine load."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def run() -> list[Row]:
+    peak = matmul_peak_gflops()
+    rows = []
+    torch.manual_seed(0)
+    small = GPTConfig(**NANOGPT_CPU)
+    ours, ref = GPT(small), TorchModulesGPT(small)
+    t = median_steps({"ours": _step_fn(ours, NANOGPT_BATCH, small.context_length, small.vocab_size),
+                      "ref": _step_fn(ref, NANOGPT_BATCH, small.context_length, small.vocab_size)})
+    tokens = NANOGPT_BATCH * small.context_length
+    for name, label in (("ours", "GPT"), ("ref", "nn.TransformerEncoderLayer GPT")):
+        rate = tokens / t[name]
+        rows.append(Row(f"train step, {label}, nanoGPT CPU shape", t[name] * 1e3, "ms",
+                        f"{rate:,.0f} tokens/s, {flops_per_token(small) * rate / 1e9 / peak:.0%} of the matmul peak"))
+    rows.append(Row("train step ratio", t["ours"] / t["ref"], "x", "GPT / nn.TransformerEncoderLayer (target <= 1)"))
+
+    recipe = GPTConfig(**RECIPE)
+    model = GPT(recipe)
+    t = median_steps({"recipe": _step_fn(model, RECIPE_BATCH, recipe.context_length, recipe.vocab_size)},
+                     repeat=10, warmup=2)
+    rate = RECIPE_BATCH * recipe.context_length / t["recipe"]
+    n_params = sum(p.numel() for p in model.parameters())
+    rows.append(Row(f"train step, CPU recipe ({n_params / 1e6:.2f} M parameters)", t["recipe"] * 1e3, "ms",
+                    f"{rate:,.0f} tokens/s, {flops_per_token(recipe) * rate / 1e9 / peak:.0%} of the matmul peak "
+                    f"({peak:.0f} GFLOP/s, {torch.get_num_threads()} threads)"))
+    return rows
