@@ -68,3 +68,44 @@ def test_sampling_follows_the_counts_and_is_reproducible():
 def test_bad_input_is_rejected_clearly(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_ngram_with_n_2_is_the_bigram_model():
+    from groundup.bigram import NGramLM
+
+    g = torch.Generator().manual_seed(0)
+    train, val = torch.randint(0, 6, (500,), generator=g), torch.randint(0, 6, (100,), generator=g)
+    for alpha in (1.0, 0.1):
+        assert NGramLM.fit(train, 6, 2, alpha=alpha).loss(val) == pytest.approx(
+            BigramLM.fit(train, 6, alpha=alpha).loss(val), rel=1e-12)
+
+
+def test_ngram_probabilities_match_counting_by_hand():
+    from collections import Counter
+
+    from groundup.bigram import NGramLM
+
+    g = torch.Generator().manual_seed(1)
+    train, val = torch.randint(0, 4, (300,), generator=g).tolist(), torch.randint(0, 4, (50,), generator=g).tolist()
+    n, alpha, v = 4, 0.5, 4
+    pairs = Counter(tuple(train[i:i + n]) for i in range(len(train) - n + 1))
+    contexts = Counter()
+    for key, count in pairs.items():
+        contexts[key[:-1]] += count
+    expected = [math.log((pairs[tuple(val[i:i + n])] + alpha) / (contexts[tuple(val[i:i + n - 1])] + alpha * v))
+                for i in range(len(val) - n + 1)]
+    got = NGramLM.fit(train, v, n, alpha=alpha).log_probs(val)
+    assert got.tolist() == pytest.approx(expected, rel=1e-12)
+    assert torch.exp(NGramLM.fit(train, v, n, alpha=alpha).log_probs([0, 1, 2, 3])).item() > 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(n=0), "n must be an integer"), (dict(n=2.0), "n must be an integer"),
+    (dict(n=2, alpha=0), "alpha must be a positive"), (dict(n=2, alpha=float("nan")), "alpha must be a positive"),
+    (dict(n=40), "overflow int64|n must be an integer"),
+])
+def test_ngram_rejects_bad_arguments(kwargs, message):
+    from groundup.bigram import NGramLM
+
+    with pytest.raises(ValueError, match=message):
+        NGramLM.fit(list(range(5)) * 10, 5, **kwargs)
