@@ -1,0 +1,199 @@
+"""Checkers for chapter 7 (training): the warm-up + cosine schedule, gradient clipping, one AdamW step.
+
+Every checker computes the expected values before it calls the reader's function, hands the function copies of
+its inputs (and says so if the function changed them in place), and checks the type of what comes back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from groundup.exercises.checking import Mismatch, Verdict, expect, expect_close, expect_tensor, run_checks
+from groundup.training import TrainConfig, lr_at
+
+__all__ = ["check_lr_schedule", "check_clip_gradients", "check_adamw_step"]
+
+
+def _copies(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else [t.clone() for t in a] if isinstance(a, list) else a
+            for a in args]
+
+
+def _call(fn: Callable, call: str, *args):
+    """``fn(*args)`` on copies of the tensors; a :class:`Mismatch` if it modified one of them in place."""
+    given = _copies(args)
+    got = fn(*given)
+    for original, passed in zip(args, given):
+        pairs = zip(original, passed) if isinstance(original, list) else [(original, passed)]
+        for a, b in pairs:
+            if isinstance(a, torch.Tensor) and not torch.equal(a, b):
+                raise Mismatch(f"{call} changed one of its input tensors in place",
+                               "Return new tensors and leave the inputs as they were (e.g. `g * scale` instead of "
+                               "`g.mul_(scale)`, `p - lr * u` instead of `p -= lr * u`).")
+    return got
+
+
+def _float(value, call: str) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    expect(isinstance(value, (int, float)) and not isinstance(value, bool),
+           f"{call} returned a {type(value).__name__}", "Return a Python float (a number).")
+    return float(value)
+
+
+# ---- Exercise 7.1 ------------------------------------------------------------------------------------------
+
+_SCHEDULES = [dict(max_steps=100, warmup_steps=10, learning_rate=1e-3, min_lr=1e-4),
+              dict(max_steps=50, warmup_steps=0, learning_rate=0.5, min_lr=0.0),
+              dict(max_steps=2000, warmup_steps=100, learning_rate=2e-3, min_lr=2e-4)]
+
+
+def _schedule_hint(fn, c: dict) -> str:
+    warm, peak, low, total = c["warmup_steps"], c["learning_rate"], c["min_lr"], c["max_steps"]
+
+    def cosine(p):
+        return low + (peak - low) * 0.5 * (1 + math.cos(math.pi * min(max(p, 0.0), 1.0)))
+
+    candidates = {
+        "During warm-up use (step + 1) / warmup_steps, so that step 0 already has a small positive rate and step "
+        "warmup_steps - 1 reaches the peak.": lambda s: peak * s / warm if s < warm else cosine((s - warm) /
+                                                                                                  (total - warm)),
+        "Measure the cosine's progress from the end of the warm-up: p = (step - warmup_steps) / (max_steps - "
+        "warmup_steps).": lambda s: peak * (s + 1) / warm if s < warm else cosine(s / total),
+        "The cosine should end at lr_min, not at 0: lr_min + (lr_max - lr_min) (1 + cos(π p)) / 2.":
+            lambda s: peak * (s + 1) / warm if s < warm else peak * 0.5 * (1 + math.cos(math.pi * (s - warm) /
+                                                                                          (total - warm))),
+        "Remember the factor 1/2: (1 + cos(π p)) / 2 runs from 1 to 0.":
+            lambda s: peak * (s + 1) / warm if s < warm else low + (peak - low) * (1 + math.cos(
+                math.pi * (s - warm) / (total - warm))),
+    }
+    steps = [s for s in (0, 1, warm // 2, warm, (warm + total) // 2, total - 1, total) if s >= 0]
+    for hint, wrong in candidates.items():
+        if warm == 0 and "warm-up" in hint:
+            continue
+        try:
+            if all(math.isclose(_float(fn(s, total, warm, peak, low), "my_lr"), wrong(s), rel_tol=1e-6, abs_tol=1e-12)
+                   for s in steps):
+                return hint
+        except Exception:  # noqa: BLE001 -- hint search only; the main check reports the crash
+            return ""
+    return ""
+
+
+def check_lr_schedule(fn: Callable) -> Verdict:
+    """Exercise 7.1: ``fn(step, max_steps, warmup_steps, lr_max, lr_min)`` is equation (7.7)'s learning rate."""
+
+    def checks():
+        for c in _SCHEDULES:
+            config = TrainConfig(**c)
+            steps = sorted({0, 1, c["warmup_steps"], c["max_steps"] // 3, c["max_steps"] - 1, c["max_steps"],
+                            max(c["warmup_steps"] - 1, 0), c["max_steps"] + 5})
+            expected = {s: lr_at(s, config) for s in steps}
+            for s in steps:
+                call = f"my_lr({s}, {c['max_steps']}, {c['warmup_steps']}, {c['learning_rate']}, {c['min_lr']})"
+                got = _float(fn(s, c["max_steps"], c["warmup_steps"], c["learning_rate"], c["min_lr"]), call)
+                if not math.isclose(got, expected[s], rel_tol=1e-6, abs_tol=1e-12):
+                    hint = _schedule_hint(fn, c) or ("Warm up linearly with (step + 1) / warmup_steps, then follow "
+                                                     "lr_min + (lr_max - lr_min) (1 + cos(π p)) / 2 with p running "
+                                                     "from 0 to 1 over the remaining steps (and staying at 1 after).")
+                    raise Mismatch(f"{call} returned {got:.6g}, expected {expected[s]:.6g}", hint)
+
+    return run_checks("Exercise 7.1 (warm-up + cosine schedule)", checks,
+                      "It matches groundup.training.lr_at on three schedules.")
+
+
+# ---- Exercise 7.2 ------------------------------------------------------------------------------------------
+
+
+def check_clip_gradients(fn: Callable) -> Verdict:
+    """Exercise 7.2: ``fn(grads, max_norm) -> (clipped_grads, total_norm)`` as ``clip_grad_norm_`` does it."""
+
+    def checks():
+        g = torch.Generator().manual_seed(7)
+        cases = [([torch.randn(4, 3, generator=g) * 2, torch.randn(5, generator=g)], 1.0),  # norm about 8: clipped
+                 ([torch.randn(4, 3, generator=g) * 0.01, torch.randn(5, generator=g) * 0.01], 1.0)]  # left alone
+        for grads, max_norm in cases:
+            reference = [t.clone() for t in grads]
+            params = [torch.nn.Parameter(torch.zeros_like(t)) for t in reference]
+            for p, t in zip(params, reference):
+                p.grad = t.clone()
+            total = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+            expected = [p.grad for p in params]
+            call = f"my_clip(grads, {max_norm}) with a gradient of total norm {total:.3g}"
+            out = _call(fn, call, grads, max_norm)
+            expect(isinstance(out, tuple) and len(out) == 2, f"{call} returned a {type(out).__name__}",
+                   "Return a pair: (the list of clipped gradients, the total norm before clipping).")
+            clipped, norm = out
+            expect(isinstance(clipped, (list, tuple)) and len(clipped) == len(grads),
+                   f"{call}: the first element is not a list of {len(grads)} tensors", "Return one tensor per input.")
+            for i, t in enumerate(clipped):
+                expect_tensor(t, f"{call}: clipped[{i}]")
+            expect_close(_float(norm, call), total, f"{call}: the total norm",
+                         "The total norm is the norm of all gradients together: sqrt(Σ over tensors of Σ g²), "
+                         "measured before clipping.", rtol=1e-5)
+            hint = "Scale every gradient by the same factor min(1, max_norm / total_norm)."
+            per_tensor = [t * min(1.0, max_norm / (t.norm().item() + 1e-6)) for t in reference]
+            if total < max_norm and not all(torch.allclose(a, b) for a, b in zip(clipped, reference)):
+                hint = "Below max_norm the gradients must stay as they are: the factor is min(1, ...), never above 1."
+            elif all(torch.allclose(a, b, atol=1e-6) for a, b in zip(clipped, per_tensor)):
+                hint = "You clipped each tensor on its own; clip by the norm of all of them together (one factor)."
+            for i, (a, b) in enumerate(zip(clipped, expected)):
+                expect_close(a, b, f"{call}: clipped[{i}]", hint, rtol=1e-5, atol=1e-7)
+
+    return run_checks("Exercise 7.2 (gradient clipping)", checks,
+                      "It matches torch.nn.utils.clip_grad_norm_, above and below the threshold.")
+
+
+# ---- Exercise 7.3 ------------------------------------------------------------------------------------------
+
+_ADAM = dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+
+
+def check_adamw_step(fn: Callable) -> Verdict:
+    """Exercise 7.3: ``fn(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay) -> (param, m, v)``."""
+
+    def checks():
+        g = torch.Generator().manual_seed(3)
+        start = torch.randn(6, 4, generator=g, dtype=torch.float64)
+        grads = [torch.randn(6, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+        p = torch.nn.Parameter(start.clone())
+        a = _ADAM
+        torch_opt = torch.optim.AdamW([p], lr=a["lr"], betas=(a["beta1"], a["beta2"]), eps=a["eps"],
+                                      weight_decay=a["weight_decay"])
+        expected = []
+        for grad in grads:
+            p.grad = grad.clone()
+            torch_opt.step()
+            expected.append(p.detach().clone())
+        param, m, v = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
+        for t, grad in enumerate(grads, start=1):
+            call = f"my_adamw_step(param, grad, m, v, t={t}, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)"
+            out = _call(fn, call, param, grad, m, v, t, a["lr"], a["beta1"], a["beta2"], a["eps"],
+                        a["weight_decay"])
+            expect(isinstance(out, tuple) and len(out) == 3, f"{call} returned a {type(out).__name__}",
+                   "Return a triple (new param, new m, new v).")
+            new_param, new_m, new_v = (expect_tensor(x, f"{call}: element {i}") for i, x in enumerate(out))
+            hint = ("m ← β1 m + (1 − β1) g; v ← β2 v + (1 − β2) g²; m̂ = m / (1 − β1ᵗ); v̂ = v / (1 − β2ᵗ); "
+                    "param ← param − lr (m̂ / (√v̂ + ε) + λ param), with the decay on the old param.")
+            if new_param.shape == param.shape:
+                grad_l2 = grad + a["weight_decay"] * param  # Adam with L2 in the gradient: the coupled version
+                m2 = a["beta1"] * m + (1 - a["beta1"]) * grad_l2 if t == 1 else None
+                if m2 is not None:
+                    v2 = (1 - a["beta2"]) * grad_l2**2
+                    coupled = param - a["lr"] * (m2 / (1 - a["beta1"])) / ((v2 / (1 - a["beta2"])).sqrt() + a["eps"])
+                    if torch.allclose(new_param, coupled, atol=1e-9):
+                        hint = ("That is Adam with L2 regularisation (λ param added to the gradient). AdamW decouples "
+                                "it: param ← param − lr (m̂ / (√v̂ + ε) + λ param), with m and v from g alone.")
+                no_correction = param * (1 - a["lr"] * a["weight_decay"]) - a["lr"] * (
+                    (1 - a["beta1"]) * grad) / (((1 - a["beta2"]) * grad**2).sqrt() + a["eps"])
+                if t == 1 and torch.allclose(new_param, no_correction, atol=1e-9):
+                    hint = "Divide m by (1 − β1ᵗ) and v by (1 − β2ᵗ) (the bias correction): both start at 0."
+            expect_close(new_param, expected[t - 1], f"step {t}: the parameter after {call}", hint,
+                         rtol=1e-9, atol=1e-12)
+            param, m, v = new_param, new_m, new_v
+
+    return run_checks("Exercise 7.3 (one AdamW step)", checks,
+                      "Three steps match torch.optim.AdamW to float64 precision.")

@@ -1,0 +1,132 @@
+"""Each chapter-7 checker accepts the reference solution, rejects plausible wrong answers with the right hint,
+treats the unattempted stub kindly and reports answers that modify their inputs."""
+
+import math
+
+import pytest
+import torch
+
+from groundup.exercises.ch07 import check_adamw_step, check_clip_gradients, check_lr_schedule
+
+# --- reference solutions (the notebook's hidden solutions) ----------------------------------------------------
+
+
+def lr_solution(step, max_steps, warmup_steps, lr_max, lr_min):
+    if step < warmup_steps:
+        return lr_max * (step + 1) / warmup_steps
+    p = min((step - warmup_steps) / max(max_steps - warmup_steps, 1), 1.0)
+    return lr_min + (lr_max - lr_min) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def clip_solution(grads, max_norm):
+    total = torch.sqrt(sum((g**2).sum() for g in grads))
+    scale = min(1.0, max_norm / (total.item() + 1e-6))
+    return [g * scale for g in grads], total.item()
+
+
+def adamw_solution(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+    m = beta1 * m + (1 - beta1) * grad
+    v = beta2 * v + (1 - beta2) * grad**2
+    m_hat, v_hat = m / (1 - beta1**t), v / (1 - beta2**t)
+    return param - lr * (m_hat / (v_hat.sqrt() + eps) + weight_decay * param), m, v
+
+
+def stub(*args):
+    raise NotImplementedError
+
+
+def verdict(checker, fn, capsys):
+    ok = checker(fn)
+    return bool(ok), capsys.readouterr().out
+
+
+@pytest.mark.parametrize("checker, solution", [(check_lr_schedule, lr_solution), (check_clip_gradients, clip_solution),
+                                               (check_adamw_step, adamw_solution)])
+def test_reference_passes_and_stub_is_not_attempted(checker, solution, capsys):
+    ok, out = verdict(checker, solution, capsys)
+    assert ok and "✅" in out, out
+    ok, out = verdict(checker, stub, capsys)
+    assert not ok and "not attempted yet" in out
+
+
+# --- 7.1 ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda s, n, w, hi, lo: hi * s / w if s < w else lr_solution(s, n, w, hi, lo), "(step + 1) / warmup_steps"),
+    (lambda s, n, w, hi, lo: lr_solution(s, n, w, hi, 0.0) if s >= w else hi * (s + 1) / w, "end at lr_min"),
+    (lambda s, n, w, hi, lo: hi * (s + 1) / w if s < w else lo + (hi - lo) * 0.5 * (1 + math.cos(math.pi * min(
+        s / n, 1.0))), "from the end of the warm-up"),
+    (lambda s, n, w, hi, lo: "0.001", "Return a Python float"),
+])
+def test_lr_schedule_mistakes_get_their_hint(wrong, hint, capsys):
+    ok, out = verdict(check_lr_schedule, wrong, capsys)
+    assert not ok and hint in out, out
+
+
+# --- 7.2 ---------------------------------------------------------------------------------------------------
+
+
+def test_clip_per_tensor_is_named(capsys):
+    def per_tensor(grads, max_norm):
+        total = torch.sqrt(sum((g**2).sum() for g in grads)).item()
+        return [g * min(1.0, max_norm / (g.norm().item() + 1e-6)) for g in grads], total
+
+    ok, out = verdict(check_clip_gradients, per_tensor, capsys)
+    assert not ok and "each tensor on its own" in out, out
+
+
+def test_clip_that_scales_up_small_gradients_is_named(capsys):
+    def always_scale(grads, max_norm):
+        total = torch.sqrt(sum((g**2).sum() for g in grads)).item()
+        return [g * max_norm / total for g in grads], total
+
+    ok, out = verdict(check_clip_gradients, always_scale, capsys)
+    assert not ok and "never above 1" in out, out
+
+
+def test_clip_in_place_is_reported(capsys):
+    def in_place(grads, max_norm):
+        total = torch.sqrt(sum((g**2).sum() for g in grads)).item()
+        for g in grads:
+            g.mul_(min(1.0, max_norm / (total + 1e-6)))
+        return grads, total
+
+    ok, out = verdict(check_clip_gradients, in_place, capsys)
+    assert not ok and "in place" in out, out
+
+
+# --- 7.3 ---------------------------------------------------------------------------------------------------
+
+
+def test_adam_with_l2_is_told_about_decoupling(capsys):
+    def coupled(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+        return adamw_solution(param, grad + weight_decay * param, m, v, t, lr, beta1, beta2, eps, 0.0)
+
+    ok, out = verdict(check_adamw_step, coupled, capsys)
+    assert not ok and "decouples" in out, out
+
+
+def test_adamw_without_bias_correction_is_named(capsys):
+    def uncorrected(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+        m = beta1 * m + (1 - beta1) * grad
+        v = beta2 * v + (1 - beta2) * grad**2
+        return param - lr * (m / (v.sqrt() + eps) + weight_decay * param), m, v
+
+    ok, out = verdict(check_adamw_step, uncorrected, capsys)
+    assert not ok and "bias correction" in out, out
+
+
+def test_adamw_in_place_is_reported(capsys):
+    def in_place(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+        new, m2, v2 = adamw_solution(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay)
+        param.copy_(new)
+        return param, m2, v2
+
+    ok, out = verdict(check_adamw_step, in_place, capsys)
+    assert not ok and "in place" in out, out
+
+
+def test_adamw_wrong_return_type(capsys):
+    ok, out = verdict(check_adamw_step, lambda *a: None, capsys)
+    assert not ok and "returned a NoneType" in out and "triple" in out
