@@ -18,7 +18,11 @@ That is exactly what the textbook algorithm (recount every pair after every merg
 the same merges; the tests check it on random texts.
 
 The save format is JSON (see :meth:`BPETokenizer.save`): a ``"format"`` name and ``"version"``, the split
-pattern, the merges as pairs of ids, and the special tokens with their ids.
+pattern, the merges as pairs of ids, and the special tokens with their ids. Files are written atomically
+(a failure leaves the previous file intact). Tokenizer files are treated as input from strangers: their
+size is bounded, the vocabulary is built lazily (a file of chained merges cannot make loading quadratic),
+only known split patterns are accepted unless the caller trusts the file, every pattern other than the
+known ones runs with a timeout, and anything malformed is a "corrupt tokenizer file" ``ValueError``.
 """
 
 from __future__ import annotations
@@ -26,12 +30,15 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import re
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import regex
 
-__all__ = ["GPT2_SPLIT_PATTERN", "CharTokenizer", "BPETokenizer", "learn_merges", "merge"]
+from groundup.utils import atomic_write_text
+
+__all__ = ["GPT2_SPLIT_PATTERN", "KNOWN_PATTERNS", "CharTokenizer", "BPETokenizer", "learn_merges", "merge"]
 
 #: The pre-tokenization pattern of GPT-2 (Radford et al. 2019): contractions, runs of letters or of digits
 #: (each with at most one leading space), runs of other symbols, and whitespace. BPE merges never cross the
@@ -42,6 +49,30 @@ CHAR_FORMAT = "groundup-char-tokenizer"
 BPE_FORMAT = "groundup-bpe-tokenizer"
 FORMAT_VERSION = 1
 CACHE_SIZE = 200_000  # distinct chunks whose encoding BPETokenizer.encode remembers (then it starts afresh)
+
+#: Split patterns a tokenizer file may name without ``trust_pattern=True`` (``null``, no pattern, is fine too).
+#: Both cover every character, and neither can backtrack catastrophically.
+KNOWN_PATTERNS = frozenset({GPT2_SPLIT_PATTERN})
+
+# Bounds on what a tokenizer file may describe (GPT-2 has 50,000 merges in a file of about 1 MB here).
+MAX_FILE_BYTES = 32 * 2**20
+MAX_MERGES = 1_000_000
+MAX_SPECIAL_TOKENS = 10_000
+MAX_SPECIAL_TOKEN_CHARS = 1_000
+MAX_PATTERN_CHARS = 10_000
+MAX_TOKEN_BYTES = 16 * 2**20  # the longest token a file may make by chaining merges
+
+# The vocabulary keeps the bytes of tokens up to this length (and up to this many bytes in all); longer
+# tokens are put together from their merges when asked for.
+MEMO_TOKEN_BYTES = 1024
+MEMO_BUDGET_BYTES = 16 * 2**20
+
+# A split pattern that is not one of KNOWN_PATTERNS may take at most this long on a text (seconds):
+# generous for any sane pattern (100 kB/s), and a stop for catastrophic backtracking such as (?:a|a)+$.
+REGEX_TIMEOUT_BASE = 1.0
+REGEX_TIMEOUT_PER_CHAR = 1e-5
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -65,21 +96,42 @@ def _check_ids(ids, vocab_size: int) -> list[int]:
 
 def _read_json(path, expected_format: str) -> dict:
     """Read a tokenizer file and check its format name and version; clear ValueErrors otherwise."""
+    name = os.fspath(path)
+    with open(path, "rb") as f:
+        raw = f.read(MAX_FILE_BYTES + 1)
+    if len(raw) > MAX_FILE_BYTES:
+        raise _corrupt(path, f"it is larger than {MAX_FILE_BYTES // 2**20} MiB, more than any tokenizer needs")
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{os.fspath(path)!r} is not a groundup tokenizer file: it is not valid JSON ({err})") \
-            from None
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise _corrupt(path, f"it is not valid JSON in UTF-8 ({err})") from None
+    except RecursionError:
+        raise _corrupt(path, "it is not valid JSON for a tokenizer (nested too deeply)") from None
+    except ValueError as err:  # JSONDecodeError, and integers too long to convert (more than 4300 digits)
+        raise _corrupt(path, f"it is not valid JSON ({err})") from None
     if not isinstance(data, dict) or "format" not in data:
-        raise ValueError(f"{os.fspath(path)!r} is not a groundup tokenizer file: expected a JSON object with "
+        raise ValueError(f"{name!r} is not a groundup tokenizer file: expected a JSON object with "
                          f"\"format\": \"{expected_format}\" (files of other libraries cannot be loaded)")
     if data["format"] != expected_format:
-        raise ValueError(f"{os.fspath(path)!r} has format {data['format']!r}, expected {expected_format!r}")
-    if data.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{os.fspath(path)!r} has format version {data.get('version')!r}; "
-                         f"this groundup reads version {FORMAT_VERSION}")
+        raise ValueError(f"{name!r} has format {_short(data['format'])}, expected {expected_format!r}")
+    version = data.get("version")
+    if type(version) is not int:
+        raise _corrupt(path, f"\"version\" must be an integer, got {_short(version)}")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{name!r} has format version {version}; this groundup reads version {FORMAT_VERSION}")
     return data
+
+
+def _short(value) -> str:
+    """``repr`` of a value from a file, cut short (a file may hold huge values)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**50 else "a huge integer"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _json_text(obj, **kwargs) -> str:
+    """``json.dumps`` without ASCII escapes, except for lone surrogates (which UTF-8 cannot hold)."""
+    text = json.dumps(obj, ensure_ascii=False, **kwargs)
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def _corrupt(path, what: str) -> ValueError:
@@ -134,10 +186,8 @@ class CharTokenizer:
 
     def save(self, path) -> None:
         """Write ``{"format": "groundup-char-tokenizer", "version": 1, "chars": [...]}`` as JSON."""
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"format": CHAR_FORMAT, "version": FORMAT_VERSION, "chars": self.chars}, f,
-                      ensure_ascii=False, indent=1)
-            f.write("\n")
+        atomic_write_text(path, _json_text({"format": CHAR_FORMAT, "version": FORMAT_VERSION, "chars": self.chars},
+                                           indent=1) + "\n")
 
     @classmethod
     def load(cls, path) -> CharTokenizer:
@@ -227,12 +277,135 @@ def learn_merges(chunks: Sequence[Sequence[int]], counts: Sequence[int], n_merge
     return merges
 
 
+class TokenBytes(Mapping):
+    """The vocabulary of a :class:`BPETokenizer` as a read-only mapping ``id -> bytes``, built lazily.
+
+    Short tokens (the usual case) are put together once, when the tokenizer is made; a token longer than
+    ``MEMO_TOKEN_BYTES`` is put together from its merges each time it is asked for, without recursion. So a
+    file of chained merges, whose tokens grow by one byte per merge, needs memory linear in its length
+    rather than quadratic.
+    """
+
+    def __init__(self, merges: Sequence[tuple[int, int]], specials: Sequence[bytes]):
+        self._merges = merges
+        self._size = 256 + len(merges) + len(specials)
+        memo = {i: bytes([i]) for i in range(256)}
+        budget = MEMO_BUDGET_BYTES
+        for k, (a, b) in enumerate(merges):
+            x, y = memo.get(a), memo.get(b)
+            if x is not None and y is not None and len(x) + len(y) <= MEMO_TOKEN_BYTES and budget > 0:
+                memo[256 + k] = x + y
+                budget -= len(x) + len(y)
+        first_special = 256 + len(merges)
+        for k, s in enumerate(specials):
+            memo[first_special + k] = s
+        self._memo = memo
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self._size))
+
+    def __contains__(self, i) -> bool:
+        return type(i) is int and 0 <= i < self._size
+
+    def __getitem__(self, i) -> bytes:
+        token = self._memo.get(i)
+        if token is not None:
+            return token
+        if i not in self:
+            raise KeyError(i)
+        parts, stack, memo, merges = [], [i], self._memo, self._merges
+        while stack:
+            j = stack.pop()
+            token = memo.get(j)
+            if token is None:
+                a, b = merges[j - 256]
+                stack += (b, a)
+            else:
+                parts.append(token)
+        return b"".join(parts)
+
+    def join(self, ids: Sequence[int]) -> bytes:
+        """The bytes of the tokens ``ids`` (valid ids), concatenated."""
+        try:
+            return b"".join(map(self._memo.__getitem__, ids))
+        except KeyError:
+            return b"".join(map(self.__getitem__, ids))
+
+    def __repr__(self) -> str:
+        return f"TokenBytes({self._size} tokens)"
+
+
+def _token_lengths(merges: Sequence[tuple[int, int]], cap: int) -> list[int]:
+    """The byte length of every token made by ``merges`` (capped at ``cap + 1``), in one pass."""
+    lengths = [1] * 256
+    for a, b in merges:
+        lengths.append(min(lengths[a] + lengths[b], cap + 1))
+    return lengths[256:]
+
+
+def _make_splitter(pattern: str | None):
+    """The pre-tokenizer of ``pattern``: a function from a text to its chunks, which join to the text again.
+
+    ``None``: the text is one chunk. A known pattern (``KNOWN_PATTERNS``) covers every character, so its matches
+    are the chunks. Any other pattern runs with a timeout, and the text between its matches (which ``findall``
+    would drop, e.g. the spaces and commas of ``\\w+``) becomes chunks of its own, so no character is lost.
+    """
+    if pattern is None:
+        return lambda text: [text] if text else []
+    compiled = regex.compile(pattern)
+    if pattern in KNOWN_PATTERNS:
+        return compiled.findall
+    finditer = compiled.finditer
+
+    def split(text: str) -> list[str]:
+        timeout = REGEX_TIMEOUT_BASE + REGEX_TIMEOUT_PER_CHAR * len(text)
+        out, pos = [], 0
+        try:
+            for m in finditer(text, timeout=timeout):
+                start, end = m.span()
+                if start > pos:
+                    out.append(text[pos:start])
+                if end > start:
+                    out.append(text[start:end])
+                pos = end
+        except TimeoutError:
+            raise ValueError(f"the split pattern {_short(pattern)} took more than {timeout:.1f} s on a text of "
+                             f"{len(text):,} characters: it backtracks catastrophically; use another pattern "
+                             f"(e.g. GPT2_SPLIT_PATTERN)") from None
+        if pos < len(text):
+            out.append(text[pos:])
+        return out
+
+    return split
+
+
+def _check_pattern(pattern) -> None:
+    if pattern is None:
+        return
+    if not isinstance(pattern, str):
+        raise TypeError(f"pattern must be a regular expression (str) or None, got {type(pattern).__name__}")
+    if _LONE_SURROGATE.search(pattern):
+        raise ValueError("pattern must not contain lone surrogates (they are not Unicode characters)")
+
+
+def _lone_surrogate_error(text: str) -> ValueError:
+    i = _LONE_SURROGATE.search(text).start()
+    return ValueError(f"text contains a lone surrogate {text[i]!r} at index {i}: it is not a Unicode character "
+                      f"and has no UTF-8 bytes, so a byte-level tokenizer cannot encode it (fix the text, e.g. "
+                      f"decode it with errors='replace')")
+
+
 class BPETokenizer:
     """Byte-level byte-pair encoding with a regex pre-tokenizer and special tokens.
 
     Ids 0..255 are bytes, ids ``256 + k`` the ``k``-th merge ``merges[k] = (a, b)``, and the special tokens
-    take the last ids. ``decode(encode(s)) == s`` for every string ``s``. Special tokens are matched in
-    the text before anything else, so they are never split; ordinary text never produces their ids.
+    take the last ids. ``decode(encode(s)) == s`` for every string ``s`` of Unicode characters (a lone
+    surrogate, which is not a character and has no UTF-8 bytes, is refused with a ``ValueError``). Special
+    tokens are matched in the text before anything else, so they are never split; ordinary text never
+    produces their ids. ``vocab`` maps every id to its bytes (:class:`TokenBytes`).
     """
 
     def __init__(self, merges: Sequence[tuple[int, int]] = (), *, pattern: str | None = GPT2_SPLIT_PATTERN,
@@ -244,8 +417,9 @@ class BPETokenizer:
                                  f"(ids must be < {256 + k})")
         if len(set(self.merges)) != len(self.merges):
             raise ValueError("merges must not contain the same pair twice")
+        _check_pattern(pattern)
         self.pattern = pattern
-        self._split = regex.compile(pattern).findall if pattern else (lambda s: [s] if s else [])
+        self._split = _make_splitter(pattern)
         self.special_tokens = _check_special_tokens(special_tokens)
         first_special = 256 + len(self.merges)
         self.special_ids = {s: first_special + k for k, s in enumerate(self.special_tokens)}
@@ -253,11 +427,7 @@ class BPETokenizer:
             regex.escape(s) for s in sorted(self.special_tokens, key=len, reverse=True)) + ")").split
             if self.special_tokens else None)
         self.ranks = {pair: 256 + k for k, pair in enumerate(self.merges)}
-        self.vocab: dict[int, bytes] = {i: bytes([i]) for i in range(256)}
-        for k, (a, b) in enumerate(self.merges):
-            self.vocab[256 + k] = self.vocab[a] + self.vocab[b]
-        for s, i in self.special_ids.items():
-            self.vocab[i] = s.encode("utf-8")
+        self.vocab = TokenBytes(self.merges, [s.encode("utf-8") for s in self.special_tokens])
         self._cache: dict[str, list[int]] = {}
 
     # ---- training -------------------------------------------------------------------------------------
@@ -279,14 +449,15 @@ class BPETokenizer:
         if vocab_size < 256 + len(special_tokens):
             raise ValueError(f"vocab_size must be at least 256 + len(special_tokens) = "
                              f"{256 + len(special_tokens)} (the 256 bytes come first), got {vocab_size}")
-        if pattern is not None and not isinstance(pattern, str):
-            raise TypeError(f"pattern must be a regular expression (str) or None, got {type(pattern).__name__}")
         tok = cls((), pattern=pattern, special_tokens=special_tokens)
         counts = Counter()
         for piece in tok._pieces(text):
             if piece not in tok.special_ids:
                 counts.update(tok._split(piece))
-        chunks = [c.encode("utf-8", "surrogatepass") for c in counts]
+        try:
+            chunks = [c.encode("utf-8") for c in counts]
+        except UnicodeEncodeError:
+            raise _lone_surrogate_error(text) from None
         merges = learn_merges(chunks, list(counts.values()), vocab_size - 256 - len(special_tokens))
         return cls(merges, pattern=pattern, special_tokens=special_tokens)
 
@@ -302,7 +473,7 @@ class BPETokenizer:
 
     def _encode_chunk(self, chunk: str) -> list[int]:
         """Apply the merges to one chunk: repeatedly merge the adjacent pair that was learned first."""
-        ids = list(chunk.encode("utf-8", "surrogatepass"))
+        ids = list(chunk.encode("utf-8"))
         ranks = self.ranks
         while len(ids) >= 2:
             pair = min(zip(ids, ids[1:], strict=False), key=lambda p: ranks.get(p, 1 << 62))
@@ -317,27 +488,30 @@ class BPETokenizer:
         _check_text(text)
         out: list[int] = []
         cache = self._cache
-        for piece in self._pieces(text):
-            special = self.special_ids.get(piece)
-            if special is not None:
-                out.append(special)
-                continue
-            for chunk in self._split(piece):
-                ids = cache.get(chunk)
-                if ids is None:
-                    if len(cache) >= CACHE_SIZE:
-                        cache.clear()
-                    ids = cache[chunk] = self._encode_chunk(chunk)
-                out += ids
+        try:
+            for piece in self._pieces(text):
+                special = self.special_ids.get(piece)
+                if special is not None:
+                    out.append(special)
+                    continue
+                for chunk in self._split(piece):
+                    ids = cache.get(chunk)
+                    if ids is None:
+                        if len(cache) >= CACHE_SIZE:
+                            cache.clear()
+                        ids = cache[chunk] = self._encode_chunk(chunk)
+                    out += ids
+        except UnicodeEncodeError:
+            raise _lone_surrogate_error(text) from None
         return out
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The text of ``ids``. Byte sequences that are not valid UTF-8 decode to U+FFFD characters."""
-        data = b"".join(self.vocab[i] for i in _check_ids(ids, self.vocab_size))
-        try:
-            return data.decode("utf-8", "surrogatepass")
-        except UnicodeDecodeError:
-            return data.decode("utf-8", "replace")
+        """The text of ``ids``. Byte sequences that are not valid UTF-8 decode to U+FFFD characters.
+
+        (That includes the three-byte forms of surrogates, ED A0 80 to ED BF BF: the result is always text that
+        can be printed and saved, never a string holding a lone surrogate.)
+        """
+        return self.vocab.join(_check_ids(ids, self.vocab_size)).decode("utf-8", "replace")
 
     def token_str(self, i: int) -> str:
         """A readable form of token ``i`` (invalid UTF-8 shown as U+FFFD), e.g. for tables of merges."""
@@ -356,14 +530,19 @@ class BPETokenizer:
         """
         head = {"format": BPE_FORMAT, "version": FORMAT_VERSION, "pattern": self.pattern,
                 "special_tokens": self.special_ids}
-        lines = [f"  {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}," for k, v in head.items()]
+        lines = [f"  {json.dumps(k)}: {_json_text(v)}," for k, v in head.items()]
         merges = ",\n".join(f"    [{a}, {b}]" for a, b in self.merges)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("{\n" + "\n".join(lines) + "\n  \"merges\": [\n" + merges + "\n  ]\n}\n")
+        atomic_write_text(path, "{\n" + "\n".join(lines) + "\n  \"merges\": [\n" + merges + "\n  ]\n}\n")
 
     @classmethod
-    def load(cls, path) -> BPETokenizer:
-        """Read a file written by :meth:`save`; ``ValueError`` for corrupt files or other formats."""
+    def load(cls, path, *, trust_pattern: bool = False) -> BPETokenizer:
+        """Read a file written by :meth:`save`; ``ValueError`` for corrupt files or other formats.
+
+        A tokenizer file is input from strangers: its size and what it describes are bounded (``MAX_*``), and
+        its split pattern must be one of ``KNOWN_PATTERNS`` (or null). A pattern can make ``encode`` take
+        exponential time, so pass ``trust_pattern=True`` to accept any other pattern from a file you trust
+        (such a pattern still runs with a timeout, and text between its matches is kept).
+        """
         data = _read_json(path, BPE_FORMAT)
         missing = [k for k in ("pattern", "special_tokens", "merges") if k not in data]
         if missing:
@@ -372,18 +551,37 @@ class BPETokenizer:
         if not isinstance(merges, list) or not all(
                 isinstance(m, list) and len(m) == 2 and all(type(x) is int for x in m) for m in merges):
             raise _corrupt(path, "\"merges\" must be a list of [a, b] pairs of integer ids")
+        if len(merges) > MAX_MERGES:
+            raise _corrupt(path, f"{len(merges):,} merges, more than the {MAX_MERGES:,} a tokenizer file may hold")
         if not isinstance(specials, dict) or not all(type(v) is int for v in specials.values()):
             raise _corrupt(path, "\"special_tokens\" must map strings to integer ids")
+        if len(specials) > MAX_SPECIAL_TOKENS or any(len(s) > MAX_SPECIAL_TOKEN_CHARS for s in specials):
+            raise _corrupt(path, f"at most {MAX_SPECIAL_TOKENS:,} special tokens of at most "
+                                 f"{MAX_SPECIAL_TOKEN_CHARS:,} characters each")
         if pattern is not None and not isinstance(pattern, str):
             raise _corrupt(path, "\"pattern\" must be a string or null")
+        if pattern is not None and pattern not in KNOWN_PATTERNS:
+            if not trust_pattern:
+                raise ValueError(
+                    f"{os.fspath(path)!r} uses the split pattern {_short(pattern)}, which is not one of the known "
+                    "patterns (GPT2_SPLIT_PATTERN, or null). A pattern from a file can make encode take exponential "
+                    "time; if you trust this file, load it with trust_pattern=True")
+            if len(pattern) > MAX_PATTERN_CHARS:
+                raise _corrupt(path, f"\"pattern\" is longer than {MAX_PATTERN_CHARS:,} characters")
         ordered = sorted(specials, key=specials.get)
         expected = list(range(256 + len(merges), 256 + len(merges) + len(ordered)))
         if [specials[s] for s in ordered] != expected:
-            raise _corrupt(path, f"special token ids must be {expected} (right after the merges)")
+            raise _corrupt(path, f"special token ids must be {expected[:5]}... (right after the merges)"
+                           if len(expected) > 5 else f"special token ids must be {expected} (right after the merges)")
         try:
-            return cls([tuple(m) for m in merges], pattern=pattern, special_tokens=ordered)
-        except (ValueError, TypeError, regex.error) as err:
-            raise _corrupt(path, str(err)) from None
+            tok = cls([tuple(m) for m in merges], pattern=pattern, special_tokens=ordered)
+        except (ValueError, TypeError, regex.error, RecursionError, OverflowError) as err:
+            raise _corrupt(path, str(err)[:300]) from None
+        lengths = _token_lengths(tok.merges, MAX_TOKEN_BYTES)
+        if lengths and max(lengths) > MAX_TOKEN_BYTES:
+            k = max(range(len(lengths)), key=lengths.__getitem__)
+            raise _corrupt(path, f"merge {k} makes a token of more than {MAX_TOKEN_BYTES // 2**20} MiB")
+        return tok
 
     def __repr__(self) -> str:
         return (f"BPETokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
@@ -396,6 +594,8 @@ def _check_special_tokens(special_tokens) -> list[str]:
     tokens = list(special_tokens)
     if not all(isinstance(s, str) and s for s in tokens):
         raise ValueError(f"special_tokens must be non-empty strings, got {tokens!r}")
+    if any(_LONE_SURROGATE.search(s) for s in tokens):
+        raise ValueError("special_tokens must not contain lone surrogates (they are not Unicode characters)")
     if len(set(tokens)) != len(tokens):
         raise ValueError(f"special_tokens must be distinct, got {tokens!r}")
     return tokens
