@@ -403,17 +403,21 @@ def test_load_bounds_what_a_file_may_describe(tmp_path, monkeypatch, name, limit
     BPE_HEAD.replace('"version": 1', '"version": true') + '"merges": []}',  # True == 1 in Python
     BPE_HEAD.replace('"version": 1', '"version": 1.0') + '"merges": []}',
     BPE_HEAD.replace('"version": 1', '"version": "1"') + '"merges": []}',
-    b"\xff\xfe not utf-8",
 ])
 def test_load_gives_corrupt_file_error_for_deep_nesting_huge_ints_and_odd_versions(tmp_path, content):
     path = tmp_path / "bad.json"
-    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    path.write_text(content)
     with pytest.raises(ValueError, match="corrupt tokenizer file"):
         BPETokenizer.load(path)
-    if not isinstance(content, bytes):
-        path.write_text(content.replace("groundup-bpe-tokenizer", "groundup-char-tokenizer"))
+    path.write_text(content.replace("groundup-bpe-tokenizer", "groundup-char-tokenizer"))
     with pytest.raises(ValueError, match="corrupt tokenizer file"):
         CharTokenizer.load(path)
+
+
+def test_load_of_a_file_that_is_not_utf8_says_it_is_not_valid_json(tmp_path):
+    (tmp_path / "bad.json").write_bytes(b"\xff\xfe not utf-8")
+    with pytest.raises(ValueError, match="is not a groundup tokenizer file: it is not valid JSON"):
+        BPETokenizer.load(tmp_path / "bad.json")
 
 
 CATASTROPHIC = r"(?:a|a)+$"

@@ -103,12 +103,12 @@ def _read_json(path, expected_format: str) -> dict:
         raise _corrupt(path, f"it is larger than {MAX_FILE_BYTES // 2**20} MiB, more than any tokenizer needs")
     try:
         data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise _corrupt(path, f"it is not valid JSON in UTF-8 ({err})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{name!r} is not a groundup tokenizer file: it is not valid JSON ({err})") from None
     except RecursionError:
-        raise _corrupt(path, "it is not valid JSON for a tokenizer (nested too deeply)") from None
-    except ValueError as err:  # JSONDecodeError, and integers too long to convert (more than 4300 digits)
-        raise _corrupt(path, f"it is not valid JSON ({err})") from None
+        raise _corrupt(path, "its JSON is nested too deeply for a tokenizer") from None
+    except ValueError as err:  # an integer too long to convert (Python refuses more than 4300 digits)
+        raise _corrupt(path, f"it holds a number no tokenizer needs ({str(err)[:80]})") from None
     if not isinstance(data, dict) or "format" not in data:
         raise ValueError(f"{name!r} is not a groundup tokenizer file: expected a JSON object with "
                          f"\"format\": \"{expected_format}\" (files of other libraries cannot be loaded)")
