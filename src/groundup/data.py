@@ -74,7 +74,10 @@ def _verify(data: bytes, expected: str, what: str) -> None:
 # The child first arranges to die with its parent (Linux: PR_SET_PDEATHSIG; elsewhere a watchdog thread that
 # notices the parent is gone), so a killed ``load_corpus`` (SIGKILL, SIGTERM) leaves no orphaned pip behind.
 _GUARD = r"""
-import os, runpy, signal, sys, threading, time
+import sys
+if sys.path and sys.path[0] == "":
+    del sys.path[0]  # -c puts the working folder first: nothing may be imported from it
+import os, runpy, signal, threading, time
 parent = int(sys.argv[1])
 try:
     import ctypes
