@@ -298,12 +298,19 @@ def test_ctrl_c_saves_a_checkpoint_at_the_end_of_the_step(tmp_path, monkeypatch)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler is restored"
 
 
-def test_a_time_budget_ends_the_run_and_decays_over_the_time():
+def test_a_time_budget_ends_the_run_and_decays_over_the_time(monkeypatch):
+    clock = {"now": 0.0}
+
+    def fake_perf_counter():  # every reading of the clock advances it by 10 ms: a run of 100 readings per second
+        clock["now"] += 0.01
+        return clock["now"]
+
+    monkeypatch.setattr(training.time, "perf_counter", fake_perf_counter)
     c = config(max_steps=10**6, warmup_steps=3, time_budget=1.0, eval_interval=10**6)
     history = train(tiny_model(), pattern_data(), pattern_data(seed=1), c)
-    assert 3 < history.step[-1] < 10**6 and history.eval_step == [history.step[-1]]
+    assert 10 < history.step[-1] < 100 and history.eval_step == [history.step[-1]]
     assert history.seconds[-1] >= 1.0
     assert history.lr[:3] == pytest.approx([lr_at(s, c) for s in range(3)])
     after = history.lr[3:]
-    assert all(a >= b for a, b in zip(after, after[1:])) and after[-1] < 0.5 * c.learning_rate
+    assert all(a >= b for a, b in zip(after, after[1:])) and after[-1] < 0.15 * c.learning_rate
     assert lr_at(5, c, progress=1.0) == pytest.approx(c.min_lr) and lr_at(5, c, progress=0.0) == c.learning_rate

@@ -372,7 +372,8 @@ def _progress_bar(config: TrainConfig, start: int):
                 mininterval=1.0, dynamic_ncols=True, leave=True)
 
 
-def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra: dict | None = None) -> History:
+def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra: dict | None = None,
+          callback=None) -> History:
     """Train ``model`` on ``train_data`` (1-D token ids), evaluating on ``val_data``; return the :class:`History`.
 
     One step: draw ``batch_size`` random windows, compute the mean next-token loss, backpropagate, clip the
@@ -382,6 +383,8 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
     continues from that checkpoint and ends exactly as an uninterrupted run would. Ctrl-C stops at the end of
     the current step, writes a checkpoint (when there is an ``out_dir``) and raises ``KeyboardInterrupt``.
     ``extra`` (plain data, e.g. where the training text came from) is stored in every checkpoint.
+    ``callback(step, model)``, if given, is called after every evaluation (e.g. to sample text); it must leave
+    the global random state alone (use a ``torch.Generator`` of its own) for runs to stay reproducible.
     """
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be one of the book's models (GPT, ...), got {type(model).__name__}")
@@ -472,6 +475,9 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
                 history.seconds.append(seconds)
                 bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{val:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
                 checkpoint(done)
+                if callback is not None:
+                    callback(done, model)
+                    model.train()
                 tick, tick_step = time.perf_counter(), done
             elif done % 10 == 0:
                 bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
@@ -484,3 +490,73 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
                 raise KeyboardInterrupt(f"training interrupted after step {done}{where}")
     model.eval()
     return history
+
+
+# --------------------------------------------------------------------------------------------------------
+# The chapter 7 model, which later chapters reuse
+# --------------------------------------------------------------------------------------------------------
+
+CHAPTER7_MODEL = dict(context_length=64, d_model=128, n_layers=4, n_heads=4, positional="rope")
+"""The chapter 7 GPT's shape (with ``vocab_size`` from the corpus's characters)."""
+CHAPTER7_TRAINING = dict(batch_size=12, max_steps=2000, learning_rate=3e-3, warmup_steps=100, eval_interval=250,
+                         eval_batches=20, seed=0)
+"""How chapter 7 trains it: about two minutes on two CPU cores."""
+
+
+def chapter7_path(cache_dir=None) -> Path:
+    """Where :func:`chapter7_model` keeps the trained chapter 7 model (the corpus cache folder, ``models/``)."""
+    from groundup.data import corpus_cache_dir
+
+    return corpus_cache_dir(cache_dir) / "models" / "chapter07.pt"
+
+
+def train_chapter7_model(*, progress: bool = False):
+    """Train chapter 7's character-level GPT on the Shakespeare corpus; return ``(model, tokenizer, history)``.
+
+    Exactly what chapter 7 runs: the corpus's characters as the vocabulary, the first 90 % for training,
+    ``torch.manual_seed(0)`` before building ``GPT(GPTConfig(**CHAPTER7_MODEL))``, then :func:`train` with
+    ``TrainConfig(**CHAPTER7_TRAINING)``. The result is saved for :func:`chapter7_model`.
+    """
+    from groundup.data import load_corpus, train_val_split
+    from groundup.tokenizers import CharTokenizer
+
+    text = load_corpus("shakespeare")
+    tokenizer = CharTokenizer.from_text(text)
+    train_ids, val_ids = train_val_split(torch.tensor(tokenizer.encode(text)))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **CHAPTER7_MODEL))
+    history = train(model, train_ids, val_ids, TrainConfig(**CHAPTER7_TRAINING, progress=progress))
+    save_chapter7_model(model, tokenizer, history)
+    return model, tokenizer, history
+
+
+def save_chapter7_model(model: GPT, tokenizer, history: History, *, cache_dir=None) -> Path:
+    """Store the chapter 7 model with its tokenizer's characters and history, for :func:`chapter7_model`."""
+    path = chapter7_path(cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(path, model, history=history, train_config=TrainConfig(**CHAPTER7_TRAINING),
+                    extra={"chars": list(tokenizer.chars)})
+    return path
+
+
+def chapter7_model(*, cache_dir=None, progress: bool = False):
+    """The chapter 7 model and its tokenizer, ``(model, tokenizer)``, trained once and then loaded.
+
+    If chapter 7 (or an earlier call) stored a model trained with today's ``CHAPTER7_MODEL`` and
+    ``CHAPTER7_TRAINING``, it is loaded; otherwise the model is trained now (about two minutes on two CPU cores)
+    and stored. The model is returned in eval mode.
+    """
+    from groundup.tokenizers import CharTokenizer
+
+    path = chapter7_path(cache_dir)
+    if path.is_file():
+        try:
+            model, ckpt = load_checkpoint(path)
+            expected = dataclasses.asdict(TrainConfig(**CHAPTER7_TRAINING))
+            shape = {k: ckpt["model_config"][k] for k in CHAPTER7_MODEL}
+            if ckpt["train_config"] == expected and shape == CHAPTER7_MODEL:
+                return model.eval(), CharTokenizer(ckpt["extra"]["chars"])
+        except (ValueError, KeyError, TypeError):
+            pass  # a stale or damaged file: train afresh
+    model, tokenizer, _ = train_chapter7_model(progress=progress)
+    return model.eval(), tokenizer
