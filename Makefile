@@ -17,7 +17,7 @@ ifneq ($(wildcard $(SHARED_DATA)/tinyshakespeare.txt),)
 export GROUNDUP_DATA_DIR ?= $(SHARED_DATA)
 endif
 
-.PHONY: setup data book test lint unit notebooks book-check bench lab clean
+.PHONY: setup data book test lint unit notebooks book-check bench bench-quality lab clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,9 @@ test: lint unit notebooks book-check
 
 bench: setup
 	$(PY) -m groundup.bench
+
+bench-quality: setup   # minutes: the CPU recipe's validation loss within 1.0 M tokens and within 10 minutes
+	$(PY) -m groundup.bench quality
 
 lab: setup
 	$(VENV)/bin/jupyter lab --allow-root --notebook-dir=notebooks

@@ -10,15 +10,18 @@ from groundup.bench import format_rows
 
 # Each name is a submodule of groundup.bench with a run() -> list[Row].
 SECTIONS = ["matmul", "training", "attention", "tokenizers", "generation"]
+# Minutes-long runs, only when named (python -m groundup.bench quality, make bench-quality).
+OPTIONAL = ["quality"]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="groundup bench", description="Print the package's performance figures.")
-    parser.add_argument("sections", nargs="*", help=f"sections to run (default: all of {', '.join(SECTIONS)})")
+    parser.add_argument("sections", nargs="*", help=f"sections to run (default: all of {', '.join(SECTIONS)}; "
+                        f"also {', '.join(OPTIONAL)}: minutes-long quality runs, only when named)")
     args = parser.parse_args(argv)
-    unknown = [s for s in args.sections if s not in SECTIONS]
+    unknown = [s for s in args.sections if s not in SECTIONS + OPTIONAL]
     if unknown:
-        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS + OPTIONAL)}")
     for name in args.sections or SECTIONS:
         module = importlib.import_module(f"groundup.bench.{name}")
         print(format_rows(f"[{name}]", module.run()), end="\n\n", flush=True)
