@@ -74,3 +74,17 @@ def test_atomic_write_interrupted_write_keeps_the_previous_file(tmp_path, monkey
     monkeypatch.undo()
     assert path.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["f.bin"]
+
+
+def test_threads_limits_and_restores_the_thread_count():
+    import torch
+
+    from groundup.utils import threads
+
+    before = torch.get_num_threads()
+    with threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="number of threads"):
+        with threads(0):
+            pass

@@ -36,7 +36,7 @@ from torch import nn
 
 from groundup.data import get_batch
 from groundup.models import GPT, GPTConfig
-from groundup.utils import atomic_write_bytes, default_device
+from groundup.utils import atomic_write_bytes, default_device, threads
 
 __all__ = ["TrainConfig", "History", "train", "evaluate", "lr_at", "param_groups", "save_checkpoint",
            "load_checkpoint", "CHECKPOINT_NAME", "HISTORY_NAME"]
@@ -515,7 +515,8 @@ def train_chapter7_model(*, progress: bool = False):
 
     Exactly what chapter 7 runs: the corpus's characters as the vocabulary, the first 90 % for training,
     ``torch.manual_seed(0)`` before building ``GPT(GPTConfig(**CHAPTER7_MODEL))``, then :func:`train` with
-    ``TrainConfig(**CHAPTER7_TRAINING)``. The result is saved for :func:`chapter7_model`.
+    ``TrainConfig(**CHAPTER7_TRAINING)`` on one CPU thread (so the weights are the same on every machine). The
+    result is saved for :func:`chapter7_model`.
     """
     from groundup.data import load_corpus, train_val_split
     from groundup.tokenizers import CharTokenizer
@@ -525,7 +526,8 @@ def train_chapter7_model(*, progress: bool = False):
     train_ids, val_ids = train_val_split(torch.tensor(tokenizer.encode(text)))
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **CHAPTER7_MODEL))
-    history = train(model, train_ids, val_ids, TrainConfig(**CHAPTER7_TRAINING, progress=progress))
+    with threads(1):
+        history = train(model, train_ids, val_ids, TrainConfig(**CHAPTER7_TRAINING, progress=progress))
     save_chapter7_model(model, tokenizer, history)
     return model, tokenizer, history
 

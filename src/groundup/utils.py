@@ -1,5 +1,6 @@
 """The two helpers every chapter uses: one seed for everything, one choice of device."""
 
+import contextlib
 import os
 import random
 import tempfile
@@ -20,6 +21,24 @@ def set_seed(seed: int = 0) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Run the body with PyTorch limited to ``n`` CPU threads, then restore the previous number.
+
+    PyTorch's reductions add numbers in an order that depends on the thread count, so results agree to the last
+    bit only between runs with the same count; the book's long experiments run on one thread so that they print the
+    same numbers on every machine (and small models are nearly as fast on one core).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive integer (a number of threads), got {n!r}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def default_device() -> torch.device:
