@@ -109,7 +109,7 @@ def tokens_per_byte(tokenizer, text):
 CASES = [
     (check_most_frequent_pair, most_frequent_pair, most_frequent_pair_first_seen, "tie rule picks the smallest"),
     (check_merge, merge, merge_first_only, "Replace every occurrence"),
-    (check_merge, merge, merge_in_place, "changed its input list"),
+    (check_merge, merge, merge_in_place, "changed its input ids in place"),
     (check_encode_with_merges, encode_with_merges, encode_by_characters, "not ord"),
     (check_encode_with_merges, encode_with_merges, encode_longest_match, "merge the one learned first"),
     (check_bytes_per_token, bytes_per_token, chars_per_token, "You counted characters"),

@@ -1,14 +1,29 @@
-"""Checkers for chapter 2 (tokenization): pair counting, merging, encoding with merges, bytes per token."""
+"""Checkers for chapter 2 (tokenization): pair counting, merging, encoding with merges, bytes per token.
+
+Expected values are computed before the reader's function runs; it is called through
+:func:`~groundup.exercises.checking.call_reader` (copies of the inputs, in-place changes reported, answer types
+checked).
+"""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
 
-from groundup.exercises.checking import Verdict, expect, expect_close, run_checks
+from groundup.exercises.checking import Mismatch, Verdict, call_reader, expect, expect_close, expect_number, run_checks
 from groundup.tokenizers import BPETokenizer, CharTokenizer
 
 __all__ = ["check_most_frequent_pair", "check_merge", "check_encode_with_merges", "check_bytes_per_token"]
+
+
+def _pair(got, call: str):
+    """The reader's answer as a tuple, or None; a :class:`Mismatch` naming the expected type otherwise."""
+    if got is None:
+        return None
+    if isinstance(got, (tuple, list)) and len(got) == 2:
+        return tuple(got)
+    raise Mismatch(f"{call} returned {got!r:.60}, expected a pair (a, b) or None",
+                   "Return the pair as a tuple of two ids, e.g. (1, 2), or None when there is no pair.")
 
 
 def check_most_frequent_pair(fn: Callable) -> Verdict:
@@ -24,11 +39,13 @@ def check_most_frequent_pair(fn: Callable) -> Verdict:
             ([9, 3, 9, 3, 3, 9], (3, 9), "(9, 3) and (3, 9) both occur twice; the smaller one, (3, 9), wins."),
         ]
         for ids, expected, hint in cases:
-            got = fn(list(ids))
-            expect(got is not None and tuple(got) == expected,
+            call = f"most_frequent_pair({ids})"
+            got = _pair(call_reader(fn, list(ids), call=call, names=("ids",)), call)
+            expect(got == expected,
                    f"most_frequent_pair({ids}) returned {got!r}, expected {expected}", hint)
         for ids in ([], [4]):
-            got = fn(ids)
+            call = f"most_frequent_pair({ids})"
+            got = _pair(call_reader(fn, ids, call=call, names=("ids",)), call)
             expect(got is None, f"most_frequent_pair({ids}) returned {got!r}, expected None",
                    "A list with fewer than two ids has no pair: return None.")
         rng = random.Random(2)
@@ -37,8 +54,9 @@ def check_most_frequent_pair(fn: Callable) -> Verdict:
         for p in zip(ids, ids[1:], strict=False):
             counts[p] = counts.get(p, 0) + 1
         expected = min(counts, key=lambda p: (-counts[p], p))
-        got = fn(list(ids))
-        expect(got is not None and tuple(got) == expected,
+        call = "most_frequent_pair(300 random ids)"
+        got = _pair(call_reader(fn, list(ids), call=call, names=("ids",)), call)
+        expect(got == expected,
                f"on 300 random ids in 0..5 most_frequent_pair returned {got!r}, expected {expected} "
                f"(it occurs {counts[expected]} times)",
                "Count with collections.Counter(zip(ids, ids[1:])), then take the pair with the largest count, "
@@ -64,12 +82,10 @@ def check_merge(fn: Callable) -> Verdict:
             (([12, 1, 2], (1, 2), 300), [12, 300], "Ids can be larger than 255 (merged tokens)."),
         ]
         for (ids, pair, new_id), expected, hint in cases:
-            original = list(ids)
-            got = fn(ids, pair, new_id)
-            expect(ids == original, f"merge({original}, {pair}, {new_id}) changed its input list to {ids}",
-                   "Build and return a new list; leave ids as it was.")
-            expect(isinstance(got, list) and got == expected,
-                   f"merge({original}, {pair}, {new_id}) returned {got!r}, expected {expected}", hint)
+            call = f"merge({ids}, {pair}, {new_id})"
+            got = call_reader(fn, ids, pair, new_id, call=call, names=("ids", "pair", "new_id"), returns=list,
+                              expected="a list of ids")
+            expect(got == expected, f"{call} returned {got!r}, expected {expected}", hint)
 
     return run_checks("Exercise 2.2 (merge a pair)", checks, "This is one BPE merge step.")
 
@@ -86,21 +102,26 @@ def check_encode_with_merges(fn: Callable) -> Verdict:
     def checks():
         merges = _reference_merges()
         reference = BPETokenizer(merges, pattern=None)
-        got = fn("abc", [])
+        names = ("text", "merges")
+        got = call_reader(fn, "abc", [], call="encode_with_merges('abc', [])", names=names, returns=list,
+                          expected="a list of ids")
         expect(got == [97, 98, 99], f"encode_with_merges('abc', []) returned {got!r}, expected [97, 98, 99]",
                "Start from the UTF-8 bytes: list(text.encode('utf-8')).")
-        got = fn("é", [])
+        got = call_reader(fn, "é", [], call="encode_with_merges('é', [])", names=names, returns=list,
+                          expected="a list of ids")
         expect(got == [195, 169], f"encode_with_merges('é', []) returned {got!r}, expected [195, 169]",
                "Use the UTF-8 bytes of the text, not ord() of its characters: 'é' is two bytes.")
         small = [(97, 98), (98, 99), (256, 99)]
         for text, expected in [("abc", [258]), ("bcab", [257, 256]), ("abcbc", [258, 257])]:
-            got = fn(text, small)
+            got = call_reader(fn, text, small, call=f"encode_with_merges({text!r}, {small})", names=names,
+                              returns=list, expected="a list of ids")
             expect(got == expected, f"encode_with_merges({text!r}, {small}) returned {got!r}, expected {expected}",
                    "Merges must be applied in the order they were learned: (97, 98) before (98, 99). Repeatedly "
                    "merge the adjacent pair with the lowest rank (k), until no pair has a rank.")
         for text in ["the three thin thieves", "there they go, thinking", "xyz then the", "thé thé 😀 th"]:
             expected = reference.encode(text)
-            got = fn(text, merges)
+            got = call_reader(fn, text, merges, call=f"encode_with_merges({text!r}, merges)", names=names,
+                              returns=list, expected="a list of ids")
             expect(got == expected, f"encode_with_merges({text!r}, merges) returned {got!r}, expected {expected}",
                    "Repeat: among adjacent pairs that have a merge, merge the one learned first (smallest k), "
                    "everywhere in the list, giving id 256 + k.")
@@ -114,19 +135,23 @@ def check_bytes_per_token(fn: Callable) -> Verdict:
     def checks():
         char = CharTokenizer.from_text("héllo wörld")
         text = "hé wörld héllo"
-        got = fn(char, text)
         expected = len(text.encode("utf-8")) / len(char.encode(text))
         chars_per_token = len(text) / len(char.encode(text))
-        hint = "Divide the number of UTF-8 BYTES, len(text.encode('utf-8')), by the number of tokens."
-        if isinstance(got, (int, float)) and abs(got - chars_per_token) < 1e-9:
-            hint = "You counted characters; count UTF-8 bytes instead (len(text.encode('utf-8')))."
-        elif isinstance(got, (int, float)) and got > 0 and abs(1 / got - expected) < 1e-9:
-            hint = "You computed tokens per byte; invert it: bytes / tokens."
-        expect_close(got, expected, f"bytes_per_token(CharTokenizer, {text!r})", hint, rtol=1e-9)
         bpe = BPETokenizer.train("to be or not to be, that is the question " * 10, 300)
-        text = "to be, or not to be: that is the question!"
-        expect_close(fn(bpe, text), len(text.encode()) / len(bpe.encode(text)),
-                     f"bytes_per_token(BPETokenizer, {text!r})",
-                     "Use tokenizer.encode(text) to count the tokens.", rtol=1e-9)
+        text2 = "to be, or not to be: that is the question!"
+        expected2 = len(text2.encode()) / len(bpe.encode(text2))
+        names = ("tokenizer", "text")
+
+        call = f"bytes_per_token(CharTokenizer, {text!r})"
+        got = expect_number(call_reader(fn, char, text, call=call, names=names), call)
+        hint = "Divide the number of UTF-8 BYTES, len(text.encode('utf-8')), by the number of tokens."
+        if abs(got - chars_per_token) < 1e-9:
+            hint = "You counted characters; count UTF-8 bytes instead (len(text.encode('utf-8')))."
+        elif got > 0 and abs(1 / got - expected) < 1e-9:
+            hint = "You computed tokens per byte; invert it: bytes / tokens."
+        expect_close(got, expected, call, hint, rtol=1e-9)
+        call = f"bytes_per_token(BPETokenizer, {text2!r})"
+        got = expect_number(call_reader(fn, bpe, text2, call=call, names=names), call)
+        expect_close(got, expected2, call, "Use tokenizer.encode(text) to count the tokens.", rtol=1e-9)
 
     return run_checks("Exercise 2.4 (bytes per token)", checks, "Higher means more text fits in a context.")

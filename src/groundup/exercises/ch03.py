@@ -1,4 +1,9 @@
-"""Checkers for chapter 3 (embeddings): one-hot vectors, the RMS initialisation, softmax, weight tying."""
+"""Checkers for chapter 3 (embeddings): one-hot vectors, the RMS initialisation, softmax, weight tying.
+
+Expected values are computed before the reader's function runs; it is called through
+:func:`~groundup.exercises.checking.call_reader` (copies of the inputs, in-place changes reported, answer types
+checked), and answers are compared in float64 at a tolerance that fits their dtype.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from groundup.exercises.checking import Verdict, expect, expect_close, expect_tensor, run_checks
+from groundup.exercises.checking import Verdict, call_reader, expect, expect_close, expect_number, run_checks
 
 __all__ = ["check_one_hot", "check_rms_init", "check_softmax", "check_tying_savings"]
 
@@ -17,18 +22,23 @@ def check_one_hot(fn: Callable) -> Verdict:
 
     def checks():
         ids = torch.tensor([2, 0, 4])
-        got = fn(ids, 5)
-        expect_tensor(got, "one_hot(tensor([2, 0, 4]), 5)")
-        expect(got.is_floating_point(), f"one_hot(...) has dtype {got.dtype}",
-               "Return floats (e.g. torch.zeros(..., dtype=torch.float32)) so the result can multiply W_E.")
         expected = torch.tensor([[0.0, 0, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 1]])
-        expect_close(got, expected, "one_hot(tensor([2, 0, 4]), 5)",
-                     "Row r must have a single 1, in column ids[r], and zeros elsewhere.")
         batch = torch.tensor([[1, 1], [0, 6]])
-        expect_close(fn(batch, 7), torch.eye(7)[batch], "one_hot of a [2, 2] batch with vocab_size=7",
+        w = torch.arange(21.0, dtype=torch.float64).reshape(7, 3)
+        expected_batch, expected_rows = torch.eye(7)[batch], w[batch]
+        names = ("ids", "vocab_size")
+
+        call = "one_hot(tensor([2, 0, 4]), 5)"
+        got = call_reader(fn, ids, 5, call=call, names=names, returns=torch.Tensor)
+        expect(got.is_floating_point(), f"{call} has dtype {got.dtype}",
+               "Return floats (e.g. torch.zeros(..., dtype=torch.float32)) so the result can multiply W_E.")
+        expect_close(got, expected, call, "Row r must have a single 1, in column ids[r], and zeros elsewhere.")
+        call = "one_hot of a [2, 2] batch with vocab_size=7"
+        got = call_reader(fn, batch, 7, call=call, names=names, returns=torch.Tensor)
+        expect_close(got, expected_batch, call,
                      "Work for ids of any shape: the result has shape [*ids.shape, vocab_size].")
-        w = torch.arange(21.0).reshape(7, 3)
-        expect_close(fn(batch, 7) @ w, w[batch], "one_hot(ids, 7) @ W_E compared with the lookup W_E[ids]",
+        expect_close(got.detach().double() @ w, expected_rows,
+                     "one_hot(ids, 7) @ W_E compared with the lookup W_E[ids]",
                      "Each one-hot row times W_E must pick out one row of W_E.")
 
     return run_checks("Exercise 3.1 (one-hot vectors)", checks,
@@ -40,8 +50,7 @@ def check_rms_init(fn: Callable) -> Verdict:
 
     def checks():
         torch.manual_seed(123)
-        w = fn(500, 64)
-        expect_tensor(w, "rms_init(500, 64)")
+        w = call_reader(fn, 500, 64, call="rms_init(500, 64)", returns=torch.Tensor)
         expect(tuple(w.shape) == (500, 64), f"rms_init(500, 64) has shape {tuple(w.shape)}, expected (500, 64)",
                "W_E has one row per token: shape [vocab_size, d_model].")
         w = w.detach().double()
@@ -61,7 +70,9 @@ def check_rms_init(fn: Callable) -> Verdict:
                "Start from torch.randn(vocab_size, d_model), then rescale each row.")
         expect(torch.linalg.matrix_rank(w[:64]).item() == 64, "the rows of rms_init(500, 64) are not independent",
                "Every token needs its own random direction: draw a fresh Gaussian row for each token.")
-        expect(not torch.allclose(fn(500, 64).double(), w), "two calls of rms_init(500, 64) returned the same matrix",
+        again = call_reader(fn, 500, 64, call="rms_init(500, 64)", returns=torch.Tensor)
+        expect(again.shape != w.shape or not torch.allclose(again.detach().double(), w),
+               "two calls of rms_init(500, 64) returned the same matrix",
                "Draw fresh random numbers on every call (torch.randn uses the global generator).")
 
     return run_checks("Exercise 3.2 (RMS initialisation)", checks,
@@ -74,23 +85,29 @@ def check_softmax(fn: Callable) -> Verdict:
     def checks():
         g = torch.Generator().manual_seed(3)
         z = torch.randn(4, 6, generator=g, dtype=torch.float64)
-        got = fn(z)
-        expect_tensor(got, "softmax")
-        expect_close(got, torch.softmax(z, dim=-1), "softmax of a [4, 6] tensor of random logits",
+        z3 = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
+        big = torch.tensor([[1000.0, 1001.0, 999.0]])
+        masked = torch.tensor([[0.0, float("-inf"), 1.0]])
+        expected = {name: torch.softmax(x, dim=-1) for name, x in (("z", z), ("z3", z3), ("big", big),
+                                                                   ("masked", masked))}
+
+        call = "softmax of a [4, 6] tensor of random logits"
+        got = call_reader(fn, z, call=call, names=("logits",), returns=torch.Tensor)
+        expect_close(got, expected["z"], call,
                      "Exponentiate, then divide by the sum over the last dimension (dim=-1, keepdim=True).",
                      rtol=1e-6, atol=1e-9)
-        z3 = torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
-        expect_close(fn(z3), torch.softmax(z3, dim=-1), "softmax of a [2, 3, 5] tensor (over the last dimension)",
-                     "Normalise over dim=-1 for any number of leading dimensions.", rtol=1e-6, atol=1e-9)
-        big = torch.tensor([[1000.0, 1001.0, 999.0]])
-        out = fn(big)
-        expect(bool(torch.isfinite(out).all()), f"softmax(tensor([[1000., 1001., 999.]])) gave {out.tolist()}",
+        call = "softmax of a [2, 3, 5] tensor (over the last dimension)"
+        got = call_reader(fn, z3, call=call, names=("logits",), returns=torch.Tensor)
+        expect_close(got, expected["z3"], call, "Normalise over dim=-1 for any number of leading dimensions.",
+                     rtol=1e-6, atol=1e-9)
+        call = "softmax(tensor([[1000., 1001., 999.]]))"
+        out = call_reader(fn, big, call=call, names=("logits",), returns=torch.Tensor)
+        expect(bool(torch.isfinite(out).all()), f"{call} gave {out.tolist()}",
                "exp(1000) overflows to inf. Subtract each row's maximum first: softmax(z - c) = softmax(z).")
-        expect_close(out, torch.softmax(big, dim=-1), "softmax(tensor([[1000., 1001., 999.]]))",
-                     "Subtract each row's maximum (keepdim=True) before exponentiating.")
-        masked = torch.tensor([[0.0, float("-inf"), 1.0]])
-        expect_close(fn(masked), torch.softmax(masked, dim=-1), "softmax(tensor([[0., -inf, 1.]]))",
-                     "A logit of -inf must get probability exactly 0 (exp(-inf) = 0).")
+        expect_close(out, expected["big"], call, "Subtract each row's maximum (keepdim=True) before exponentiating.")
+        call = "softmax(tensor([[0., -inf, 1.]]))"
+        got = call_reader(fn, masked, call=call, names=("logits",), returns=torch.Tensor)
+        expect_close(got, expected["masked"], call, "A logit of -inf must get probability exactly 0 (exp(-inf) = 0).")
 
     return run_checks("Exercise 3.3 (stable softmax)", checks,
                       "Every entry is positive and each row sums to 1, even for huge logits.")
@@ -107,14 +124,14 @@ def check_tying_savings(fn: Callable) -> Verdict:
 
     def checks():
         for n_v, d, n_l in cases:
-            got = fn(n_v, d, n_l)
-            expect(isinstance(got, tuple) and len(got) == 2,
-                   f"tying_savings({n_v}, {d}, {n_l}) returned {got!r}", "Return a pair (saved, fraction).")
             saved, fraction = expected(n_v, d, n_l)
-            expect_close(got[0], saved, f"parameters saved, tying_savings({n_v}, {d}, {n_l})[0]",
+            call = f"tying_savings({n_v}, {d}, {n_l})"
+            got = call_reader(fn, n_v, d, n_l, call=call, returns=tuple, expected="a pair (saved, fraction)")
+            expect(len(got) == 2, f"{call} returned {len(got)} values", "Return a pair (saved, fraction).")
+            expect_close(expect_number(got[0], f"{call}[0]"), saved, f"parameters saved, {call}[0]",
                          "Tying removes the whole unembedding matrix U, which has vocab_size * d_model entries.",
                          rtol=0, atol=0.5)
-            expect_close(got[1], fraction, f"fraction saved, tying_savings({n_v}, {d}, {n_l})[1]",
+            expect_close(expect_number(got[1], f"{call}[1]"), fraction, f"fraction saved, {call}[1]",
                          "Divide by the UNTIED total: embedding + unembedding (2 n_V d_M) + 12 d_M^2 per block.",
                          rtol=1e-6)
 
