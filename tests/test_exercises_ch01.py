@@ -72,3 +72,20 @@ def test_unstable_cross_entropy_is_rejected(capsys):
 def test_summed_cross_entropy_is_rejected(capsys):
     assert not ch01.check_cross_entropy(lambda lg, t: cross_entropy_solution(lg, t) * len(t))
     assert "averaged over the rows" in capsys.readouterr().out
+
+
+def test_perplexity_of_the_wrong_type_names_the_expected_type(capsys):
+    for wrong, shown in ((lambda probs: None, "NoneType None"), (lambda probs: [4.0], "list [4.0]"),
+                         (lambda probs: "4.0", "str '4.0'")):
+        assert not ch01.check_perplexity(wrong)
+        out = capsys.readouterr().out
+        assert f"returned the {shown}, expected a number" in out, out
+
+
+def test_cross_entropy_that_shifts_the_logits_in_place_is_reported(capsys):
+    def shifts_in_place(logits, targets):
+        logits -= logits.max(dim=1, keepdim=True).values
+        return cross_entropy_solution(logits, targets)
+
+    assert not ch01.check_cross_entropy(shifts_in_place)
+    assert "changed its input logits in place" in capsys.readouterr().out

@@ -104,3 +104,27 @@ def test_checker_accepts_reference_rejects_wrong_and_handles_stub(checker, solut
 def test_one_hot_reference_agrees_with_torch():
     ids = torch.tensor([[3, 0], [1, 1]])
     assert torch.equal(one_hot(ids, 4), torch.nn.functional.one_hot(ids, 4).float())
+
+
+def test_softmax_that_overwrites_its_input_with_the_uniform_answer_fails(capsys):
+    def fill_uniform(z):
+        return z.fill_(1 / z.shape[-1])  # wrong, and it overwrites the checker's logits
+
+    assert not check_softmax(fill_uniform)
+    assert "changed its input logits in place" in capsys.readouterr().out
+
+
+def test_a_correct_in_place_softmax_is_told_about_the_change_not_a_wrong_value(capsys):
+    def in_place(z):
+        z -= z.max(dim=-1, keepdim=True).values
+        z.exp_()
+        z /= z.sum(dim=-1, keepdim=True)
+        return z
+
+    assert not check_softmax(in_place)
+    out = capsys.readouterr().out
+    assert "changed its input logits in place" in out and "largest difference" not in out
+
+
+def test_a_float32_softmax_of_float64_logits_passes(capsys):
+    assert check_softmax(lambda z: torch.softmax(z.float(), dim=-1)), capsys.readouterr().out

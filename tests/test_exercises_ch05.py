@@ -128,3 +128,29 @@ def test_attention_checker_rejects_mask_that_leaves_masked_weights_nonzero(capsy
 
     assert check_attention(attention_ignores_mask).passed is False
     assert "masked weights are not exactly 0" in capsys.readouterr().out
+
+
+def test_attention_that_scales_q_in_place_is_reported_not_misjudged(capsys):
+    def scales_q_in_place(q, k, v, mask=None):
+        q /= math.sqrt(q.shape[-1])
+        scores = q @ k.transpose(-2, -1)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        return weights @ v, weights
+
+    assert not check_attention(scales_q_in_place)
+    out = capsys.readouterr().out
+    assert "changed its input q in place" in out and "without the scaling" not in out
+
+
+def test_float32_attention_of_float64_inputs_passes(capsys):
+    def in_float32(q, k, v, mask=None):
+        return attention(q.float(), k.float(), v.float(), mask)
+
+    assert check_attention(in_float32), capsys.readouterr().out
+
+
+def test_attention_returning_one_tensor_names_the_pair(capsys):
+    assert not check_attention(lambda q, k, v, mask=None: attention(q, k, v, mask)[0])
+    assert "expected a pair (out, weights)" in capsys.readouterr().out

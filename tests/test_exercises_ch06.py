@@ -144,3 +144,25 @@ def test_crashing_solution_becomes_a_verdict(capsys):
 
     assert check_layer_norm(crashes).passed is False
     assert "raised RuntimeError" in capsys.readouterr().out
+
+
+def test_float32_norms_of_float64_inputs_pass(capsys):
+    assert check_layer_norm(lambda x, w, b, eps: layer_norm(x.float(), w.float(), b.float(), eps)), \
+        capsys.readouterr().out
+    assert check_rms_norm(lambda x, w, eps: rms_norm(x.float(), w.float(), eps)), capsys.readouterr().out
+
+
+def test_a_float32_wrong_layer_norm_gets_its_hint_not_a_checker_crash(capsys):
+    assert not check_layer_norm(lambda x, w, b, eps: layer_norm_unbiased(x.float(), w.float(), b.float(), eps))
+    out = capsys.readouterr().out
+    assert "unbiased variance" in out and "checker itself crashed" not in out
+
+
+def test_a_block_that_zeroes_its_parameters_fails(capsys):
+    def zero_block(x, block, mask):
+        for p in block.parameters():
+            p.zero_()
+        return pre_ln_block(x, block, mask)
+
+    assert not check_pre_ln_block(zero_block)
+    assert "changed its input block in place" in capsys.readouterr().out

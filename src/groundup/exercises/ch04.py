@@ -1,4 +1,9 @@
-"""Checkers for chapter 4 (positional encoding): the sinusoidal table and its shift matrix, RoPE, ALiBi's reach."""
+"""Checkers for chapter 4 (positional encoding): the sinusoidal table and its shift matrix, RoPE, ALiBi's reach.
+
+Expected values are computed before the reader's function runs; it is called through
+:func:`~groundup.exercises.checking.call_reader` (copies of the inputs, in-place changes reported, answer types
+checked), and hint code compares in float64.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from groundup.exercises.checking import Verdict, expect, expect_close, expect_tensor, run_checks
+from groundup.exercises.checking import Verdict, call_reader, expect, expect_close, run_checks
 from groundup.positional import RotaryEmbedding, alibi_slopes, sinusoidal_encoding
 
 __all__ = ["check_alibi_half_life", "check_apply_rotary", "check_shift_matrix", "check_sinusoidal_encoding"]
@@ -21,12 +26,12 @@ def check_sinusoidal_encoding(fn: Callable) -> Verdict:
     """Exercise 4.1: ``fn(n_positions, d_model)`` returns P[k, 2i] = sin(k / 10000^(2i/d)), P[k, 2i+1] = cos(...)."""
 
     def checks():
-        got = fn(6, 4)
-        expect_tensor(got, "sinusoidal(6, 4)", "Return a torch.Tensor of shape [n_positions, d_model].")
+        expected = sinusoidal_encoding(6, 4).double()
+        got = call_reader(fn, 6, 4, call="sinusoidal(6, 4)", names=("n_positions", "d_model"), returns=torch.Tensor,
+                          expected="a torch.Tensor of shape [n_positions, d_model]")
         expect(tuple(got.shape) == (6, 4), f"sinusoidal(6, 4) has shape {tuple(got.shape)}, expected (6, 4)",
                "One row per position k = 0..n_positions-1, one column per dimension.")
         got = got.detach().double()
-        expected = sinusoidal_encoding(6, 4).double()
         hint = "Column 2i holds sin(k / 10000**(2i/d)) and column 2i+1 holds cos of the same angle; k starts at 0."
         if _close(got[:, [1, 0, 3, 2]], expected):
             hint = "You swapped sine and cosine: even columns (0, 2, ...) are sines, odd columns are cosines."
@@ -43,7 +48,7 @@ def check_sinusoidal_encoding(fn: Callable) -> Verdict:
                 hint = "The exponent is 2i/d with i the pair index (0, 1, ...), not i/d: frequencies are 10000^(-2i/d)."
         expect_close(got, expected, "sinusoidal(6, 4)", hint, atol=1e-5)
         k, d = 37, 16
-        big = fn(50, d).detach().double()
+        big = call_reader(fn, 50, d, call="sinusoidal(50, 16)", returns=torch.Tensor).detach().double()
         expect(tuple(big.shape) == (50, d), f"sinusoidal(50, 16) has shape {tuple(big.shape)}",
                "Use the arguments; do not hard-code the sizes.")
         for i in (0, 3, 7):
@@ -61,8 +66,13 @@ def check_apply_rotary(fn: Callable) -> Verdict:
     def checks():
         x = torch.tensor([[1.0, 0.0]] * 3, dtype=torch.float64)
         positions = torch.tensor([0, 1, 2])
-        got = fn(x, positions)
-        expect_tensor(got, "rope(x, positions)", "Return a torch.Tensor with the same shape as x.")
+        g = torch.Generator().manual_seed(4)
+        x4 = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64)
+        positions4 = torch.tensor([0, 3, 4, 10, 11])
+        expected4 = RotaryEmbedding(8).apply_rotary(x4, positions4)
+        names = ("x", "positions")
+        got = call_reader(fn, x, positions, call="rope(x, positions)", names=names, returns=torch.Tensor,
+                          expected="a torch.Tensor with the same shape as x")
         expect(tuple(got.shape) == (3, 2), f"rope of x with shape (3, 2) returned shape {tuple(got.shape)}",
                "The output has the same shape as x.")
         expected = torch.tensor([[1.0, 0.0], [math.cos(1), math.sin(1)], [math.cos(2), math.sin(2)]])
@@ -71,13 +81,11 @@ def check_apply_rotary(fn: Callable) -> Verdict:
         if _close(got.detach(), expected * torch.tensor([1.0, -1.0])):
             hint = "You rotate clockwise: R_t = [[cos, -sin], [sin, cos]] sends (1, 0) to (cos wt, +sin wt)."
         expect_close(got, expected, "rope(x, positions) for d=2, x = (1, 0) at positions 0, 1, 2", hint, atol=1e-5)
-        g = torch.Generator().manual_seed(4)
-        x = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64)
-        positions = torch.tensor([0, 3, 4, 10, 11])
-        got = fn(x, positions)
-        expected = RotaryEmbedding(8).apply_rotary(x, positions)
+        x, positions, expected = x4, positions4, expected4
+        got = call_reader(fn, x, positions, call="rope(x of shape (2, 3, 5, 8), positions)", names=names,
+                          returns=torch.Tensor, expected="a torch.Tensor with the same shape as x")
         hint = "Pair i uses the frequency 10000**(-2i/d) and the dimensions (2i, 2i+1); positions index the seq axis."
-        if isinstance(got, torch.Tensor) and got.shape == x.shape:
+        if got.shape == x.shape:
             # the (i, i + d/2) pairing: interleave the halves, rotate, then split them again
             paired = torch.stack([x[..., :4], x[..., 4:]], dim=-1).flatten(-2)
             other = RotaryEmbedding(8).apply_rotary(paired, positions)
@@ -100,15 +108,16 @@ def check_shift_matrix(fn: Callable) -> Verdict:
     """Exercise 4.2: ``fn(delta, d_model)`` returns M with P(k + delta) = M P(k) for every k (sinusoidal P)."""
 
     def checks():
-        got = fn(3, 4)
-        expect_tensor(got, "shift_matrix(3, 4)", "Return a torch.Tensor of shape [d_model, d_model].")
+        got = call_reader(fn, 3, 4, call="shift_matrix(3, 4)", names=("delta", "d_model"), returns=torch.Tensor,
+                          expected="a torch.Tensor of shape [d_model, d_model]")
         expect(tuple(got.shape) == (4, 4), f"shift_matrix(3, 4) has shape {tuple(got.shape)}, expected (4, 4)",
                "M maps one row of the table (d_model numbers) to another: shape [d_model, d_model].")
         for delta, d in ((3, 4), (7, 8), (1, 16), (0, 6)):
-            M = fn(delta, d).detach().double()
+            P = sinusoidal_encoding(40 + delta, d).double()
+            M = call_reader(fn, delta, d, call=f"shift_matrix({delta}, {d})", names=("delta", "d_model"),
+                            returns=torch.Tensor).detach().double()
             expect(tuple(M.shape) == (d, d), f"shift_matrix({delta}, {d}) has shape {tuple(M.shape)}",
                    "Use the arguments: shape [d_model, d_model].")
-            P = sinusoidal_encoding(40 + delta, d).double()
             moved = P[:40] @ M.T  # row k becomes M P(k)
             hint = ("Pair i needs the 2x2 block that sends (sin a, cos a) to (sin(a + b), cos(a + b)) with "
                     "b = delta / 10000**(2i/d): use the angle-addition formulas. All other entries are 0.")
@@ -127,11 +136,16 @@ def check_alibi_half_life(fn: Callable) -> Verdict:
 
     def checks():
         for n_heads in (8, 4, 12, 1):
-            got = fn(n_heads)
+            slopes = alibi_slopes(n_heads).double()
+            expected = math.log(2) / slopes
+            got = call_reader(fn, n_heads, call=f"half_life({n_heads})", names=("n_heads",))
             try:
+                if isinstance(got, (str, bytes)) or got is None:
+                    raise TypeError
                 got = torch.as_tensor(got, dtype=torch.float64).flatten()
             except (TypeError, ValueError, RuntimeError):
-                expect(False, f"half_life({n_heads}) returned a {type(got).__name__}",
+                expect(False, f"half_life({n_heads}) returned a {type(got).__name__}, "
+                       "expected a list or 1-D tensor of numbers",
                        "Return a list or a 1-D tensor of n_heads numbers.")
             expect(got.numel() == n_heads, f"half_life({n_heads}) has {got.numel()} entries, expected {n_heads}",
                    "One distance per head.")

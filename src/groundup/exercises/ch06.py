@@ -1,4 +1,10 @@
-"""Checkers for chapter 6 (the transformer block): LayerNorm, RMSNorm, a Pre-LN block, counting parameters."""
+"""Checkers for chapter 6 (the transformer block): LayerNorm, RMSNorm, a Pre-LN block, counting parameters.
+
+Expected values are computed before the reader's function runs; it is called through
+:func:`~groundup.exercises.checking.call_reader` (copies of the inputs and of the block, so zeroing the block's
+parameters is reported, never judged against changed weights; answer types checked), and a float32 answer is
+compared at a float32 tolerance (hint code compares in float64).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from groundup.exercises.checking import Verdict, expect, expect_close, expect_tensor, run_checks
+from groundup.exercises.checking import Verdict, call_reader, expect, expect_close, run_checks
 from groundup.layers import TransformerBlock
 from groundup.models import GPT, GPTConfig
 
@@ -21,30 +27,35 @@ def check_layer_norm(fn: Callable) -> Verdict:
         g = torch.Generator().manual_seed(6)
         x = torch.randn(3, 5, 8, generator=g, dtype=torch.float64) * 4 + 1
         w, b = torch.randn(8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
-        got = expect_tensor(fn(x, w, b, 1e-5), "layer_norm(x, weight, bias, 1e-5)")
+        x2 = torch.tensor([[1.0, 1.001, 0.999, 1.0]], dtype=torch.float64)
+        ones, zeros = torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
         expected = F.layer_norm(x, (8,), w, b, 1e-5)
+        expected2 = F.layer_norm(x2, (4,), ones, zeros, 1e-2)
+        names = ("x", "weight", "bias", "eps")
+        got = call_reader(fn, x, w, b, 1e-5, call="layer_norm(x, weight, bias, 1e-5)", names=names,
+                          returns=torch.Tensor)
         hint = "Normalise each vector over its last dimension: (x - mean) / sqrt(var + eps), then γ ⊙ · + β."
         if got.shape == x.shape:
+            got64 = got.detach().double()
             unbiased = (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True) + 1e-5) * w + b
             plain = F.layer_norm(x, (8,), None, None, 1e-5)
             centred = x - x.mean(-1, keepdim=True)
             seeds = centred / (centred.pow(2).mean(-1, keepdim=True).sqrt() + 1e-5) * w + b
-            if torch.allclose(got, seeds, atol=1e-9):
+            if torch.allclose(got64, seeds, atol=1e-9 if got.dtype == torch.float64 else 1e-5):
                 hint = "Close: that is the seeds' σ + ε. Put eps inside the square root, sqrt(var + eps), as PyTorch."
-            elif torch.allclose(got, unbiased, atol=1e-6):
+            elif torch.allclose(got64, unbiased, atol=1e-5):
                 hint = "You used the unbiased variance (1/(d-1)); LayerNorm uses 1/d: var(..., unbiased=False)."
-            elif torch.allclose(got, plain, atol=1e-6):
+            elif torch.allclose(got64, plain, atol=1e-5):
                 hint = "You normalised but forgot the learned scale and shift: multiply by weight, add bias."
-            elif torch.allclose(got, F.layer_norm(x.transpose(-1, -2), (5,)).transpose(-1, -2) * w + b,
-                                atol=1e-6):
+            elif torch.allclose(got64, F.layer_norm(x.transpose(-1, -2), (5,)).transpose(-1, -2) * w + b,
+                                atol=1e-5):
                 hint = "You normalised over the wrong dimension: the mean and variance are over the last one (dim=-1)."
         expect_close(got, expected, "layer_norm of a (3, 5, 8) batch with random γ, β (compared with "
                      "F.layer_norm)", hint, atol=1e-6)
         # A vector with tiny spread and a large eps: tells ε under the root from the seeds' σ + ε.
-        x2 = torch.tensor([[1.0, 1.001, 0.999, 1.0]], dtype=torch.float64)
-        ones, zeros = torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
-        got2 = expect_tensor(fn(x2, ones, zeros, 1e-2), "layer_norm(x, ones, zeros, 0.01)")
-        expect_close(got2, F.layer_norm(x2, (4,), ones, zeros, 1e-2),
+        got2 = call_reader(fn, x2, ones, zeros, 1e-2, call="layer_norm(x, ones, zeros, 0.01)", names=names,
+                           returns=torch.Tensor)
+        expect_close(got2, expected2,
                      "layer_norm([[1, 1.001, 0.999, 1]], eps=0.01), an input with tiny variance",
                      "Put eps inside the square root, sqrt(var + eps), as PyTorch does (the seeds write σ + ε).",
                      atol=1e-6)
@@ -59,14 +70,17 @@ def check_rms_norm(fn: Callable) -> Verdict:
         g = torch.Generator().manual_seed(7)
         x = torch.randn(2, 4, 6, generator=g, dtype=torch.float64) * 3 + 2
         w = torch.randn(6, generator=g, dtype=torch.float64)
-        got = expect_tensor(fn(x, w, 1e-6), "rms_norm(x, weight, 1e-6)")
+        expected = F.rms_norm(x, (6,), w, 1e-6)
+        got = call_reader(fn, x, w, 1e-6, call="rms_norm(x, weight, 1e-6)", names=("x", "weight", "eps"),
+                          returns=torch.Tensor)
         hint = "Divide each vector by sqrt(mean(x**2 over the last dim) + eps), then multiply by weight."
         if got.shape == x.shape:
-            if torch.allclose(got, F.layer_norm(x, (6,), w, None, 1e-6), atol=1e-6):
+            got64 = got.detach().double()
+            if torch.allclose(got64, F.layer_norm(x, (6,), w, None, 1e-6), atol=1e-5):
                 hint = "You subtracted the mean: RMSNorm does not centre the vector, it only rescales it."
-            elif torch.allclose(got, w * x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6), atol=1e-6):
+            elif torch.allclose(got64, w * x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6), atol=1e-5):
                 hint = "You divided by the Euclidean norm (a sum); the RMS uses the mean of the squares."
-        expect_close(got, F.rms_norm(x, (6,), w, 1e-6), "rms_norm of a (2, 4, 6) batch (compared with "
+        expect_close(got, expected, "rms_norm of a (2, 4, 6) batch (compared with "
                      "F.rms_norm)", hint, atol=1e-6)
 
     return run_checks("Exercise 6.2 (RMSNorm)", checks, "It matches torch.nn.functional.rms_norm.")
@@ -90,10 +104,12 @@ def check_pre_ln_block(fn: Callable) -> Verdict:
         x = torch.randn(2, 6, 16)
         mask = torch.ones(6, 6, dtype=torch.bool).tril()
         with torch.no_grad():
-            got = expect_tensor(fn(x, block, mask), "pre_ln_block(x, block, mask)")
             expected = block(x, mask=mask)
+            got = call_reader(fn, x, block, mask, call="pre_ln_block(x, block, mask)", names=("x", "block", "mask"),
+                              returns=torch.Tensor)
             hint = "x = x + attention(norm_1(x), mask=mask); then x = x + ffn(norm_2(x))."
             if got.shape == x.shape:
+                got = got.detach().float()
                 post = TransformerBlock(_block_config("post")).eval()
                 post.load_state_dict(block.state_dict())
                 a = x + block.attention(block.norm_1(x), mask=mask)
@@ -133,9 +149,9 @@ def check_parameter_count(fn: Callable) -> Verdict:
         for kw in _COUNT_CASES:
             config = GPTConfig(**{**dict(vocab_size=50, context_length=32, d_model=32, n_layers=2, n_heads=4), **kw})
             expected = sum(p.numel() for p in GPT(config).parameters())
-            got = fn(config)
+            got = call_reader(fn, config, call="count_parameters(config)", names=("config",))
             expect(isinstance(got, int) and not isinstance(got, bool),
-                   f"count_parameters returned a {type(got).__name__}", "Return a Python int.")
+                   f"count_parameters returned a {type(got).__name__}, expected an int", "Return a Python int.")
             d, v, c = config.d_model, config.vocab_size, config.context_length
             diff = expected - got
             hint = ("Per block: attention 4 (d² + d), FFN 2 d d_FFN + d_FFN + d, two norms; plus the embedding, "
