@@ -116,6 +116,13 @@ def test_top_p_seeds_example_keeps_bananas_cherries_and_fruit(dtype, shift):
     assert got.dtype == dtype
 
 
+def test_top_p_seeds_example_when_the_float_sum_falls_below_p():
+    # the rest of the mass over 160 tokens of 0.005: after a float64 softmax the first three sum to 0.17999...
+    probs = torch.tensor(SEEDS_PROBS + [0.005] * 160, dtype=torch.float64)
+    assert torch.softmax(probs.log(), -1)[:3].sum().item() < 0.18
+    assert torch.isfinite(top_p_filter(probs.log(), 0.18)).nonzero().flatten().tolist() == [0, 1, 2]
+
+
 def test_top_p_counts_a_float_shortfall_below_the_tolerance_as_reaching_p():
     # the first three tokens sum to 0.18 - 1e-9: "reaches" p within the tolerance, so the fourth is dropped
     probs = torch.tensor([0.1, 0.05, 0.03 - 1e-9, 0.02 + 1e-9] + [0.01] * 80, dtype=torch.float64)

@@ -46,20 +46,20 @@ def time_generation(model: GPT, n_new: int, *, repeat: int = 3, warmup: int = 1)
     for _ in range(warmup):
         run(True)
         run(False)
-    if not torch.equal(results[True], results[False]):
-        raise AssertionError("cached and uncached greedy generation produced different tokens")
     cached, uncached = [], []
-    for _ in range(repeat):
+    for _ in range(max(repeat, 1)):
         for use_cache, times in ((True, cached), (False, uncached)):
             start = time.perf_counter()
             run(use_cache)
             times.append(time.perf_counter() - start)
+    if not torch.equal(results[True], results[False]):
+        raise AssertionError("cached and uncached greedy generation produced different tokens")
     return statistics.median(cached), statistics.median(uncached)
 
 
-def speedup_by_length(model: GPT, lengths, *, repeat: int = 3) -> list[tuple[int, float, float]]:
+def speedup_by_length(model: GPT, lengths, *, repeat: int = 3, warmup: int = 1) -> list[tuple[int, float, float]]:
     """``(n_new, seconds with the cache, seconds without)`` for each generated length in ``lengths``."""
-    return [(n, *time_generation(model, n, repeat=repeat)) for n in lengths]
+    return [(n, *time_generation(model, n, repeat=repeat, warmup=warmup)) for n in lengths]
 
 
 def run() -> list[Row]:
