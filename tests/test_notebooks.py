@@ -1,6 +1,7 @@
 """Checks on the chapter notebooks as stored: table of contents, badge and setup cells, stored outputs, nbval
 coverage, exercises and markdown that reads cleanly in JupyterLab and Colab."""
 
+import ast
 import json
 import re
 import subprocess
@@ -131,3 +132,121 @@ def test_exercises_have_stub_checker_and_hidden_solution(path):
     stub_outputs = [json.dumps(c["outputs"]) for c in all_cells if c["cell_type"] == "code"
                     and re.search(r"check_\w+\(", source(c)) and not source(c).startswith("# Sol")]
     assert any("not attempted yet" in s for s in stub_outputs), "the checker is run on the reader's stub"
+
+
+EXERCISE = re.compile(r"^###? Exercise \d+\.\d+", re.MULTILINE)
+HEADING = re.compile(r"^(#{1,6}) ")
+
+
+def _bound_names(code):
+    """Names a cell binds at module level (defs, classes, assignments, imports, loop and with targets, walrus), plus
+    names its functions declare ``global``: what running the cell can (re)define in the reader's namespace."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    names = set()
+
+    def targets(node):
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+                names.add(sub.id)
+
+    def visit(stmts):
+        for node in stmts:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+                for sub in ast.walk(node):
+                    if isinstance(sub, (ast.Global, ast.Nonlocal)):
+                        names.update(sub.names)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    targets(t)
+            elif isinstance(node, (ast.For, ast.AsyncFor)):
+                targets(node.target)
+            elif isinstance(node, (ast.With, ast.AsyncWith)):
+                for item in node.items:
+                    if item.optional_vars is not None:
+                        targets(item.optional_vars)
+            for sub in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                ast.ClassDef, ast.Lambda)) else ():
+                if isinstance(sub, ast.NamedExpr):
+                    names.add(sub.target.id)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    visit(getattr(node, field, []) or [])
+            if isinstance(node, ast.ExceptHandler) and node.name:
+                names.add(node.name)
+
+    visit(tree.body)
+    return names
+
+
+def exercises(all_cells):
+    """(heading index, indices of the exercise's cells) for every exercise: up to the next exercise or section."""
+    starts = [i for i, c in enumerate(all_cells) if c["cell_type"] == "markdown" and EXERCISE.search(source(c))]
+    for k, start in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(all_cells)
+        for i in range(start + 1, end):
+            if all_cells[i]["cell_type"] == "markdown" and re.match(r"^##? ", source(all_cells[i])):
+                end = i
+                break
+        yield start, range(start + 1, end)
+
+
+def test_bound_names_sees_every_way_a_cell_can_redefine_a_name():
+    code = ("import math as m\nfrom x import y\ndef f():\n    global g\n    g = 1\nclass C: pass\na = b = 1\n"
+            "for i in []: pass\nwith open('p') as fh: pass\nif True:\n    h = 2\n(w := 3)\nk += 1\n")
+    assert _bound_names(code) == {"m", "y", "f", "g", "C", "a", "b", "i", "fh", "h", "w", "k"}
+    assert _bound_names("def f():\n    local = 1\n") == {"f"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_solutions_never_redefine_the_readers_names_and_are_collapsed_everywhere(path):
+    """'Run all' must not replace the reader's function with the solution (then the checker would say ✅ for the
+    reader), and every solution is collapsed, source and output: in the book (hide-cell), in JupyterLab
+    (source/outputs hidden, under a collapsed '#### Solution' heading) and in Colab (that heading's section listed
+    in metadata.colab.collapsed_sections). tools/sync_notebooks.py writes the metadata."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    all_cells = nb["cells"]
+    collapsed = nb["metadata"].get("colab", {}).get("collapsed_sections", [])
+    for start, region in exercises(all_cells):
+        title = source(all_cells[start]).strip().splitlines()[0]
+        code = [i for i in region if all_cells[i]["cell_type"] == "code"]
+        solutions = [i for i in code if source(all_cells[i]).startswith("# Solution")]
+        stubs = [i for i in code if i not in solutions]
+        readers = set().union(set(), *(_bound_names(source(all_cells[i])) for i in stubs))
+        for i in stubs:
+            for node in ast.parse(source(all_cells[i])).body:
+                if isinstance(node, ast.FunctionDef):
+                    assert node.name.startswith("my_"), f"{title}: the reader's function is named my_<name>"
+        for i in solutions:
+            clash = _bound_names(source(all_cells[i])) & readers
+            assert not clash, f"{title}: the solution redefines the reader's {sorted(clash)}"
+            meta = all_cells[i]["metadata"]
+            assert "hide-cell" in meta.get("tags", []), f"{title}: solution not hidden in the book (hide-cell)"
+            jupyter = meta.get("jupyter", {})
+            assert jupyter.get("source_hidden") and jupyter.get("outputs_hidden"), \
+                f"{title}: solution source and outputs must be collapsed in JupyterLab"
+            first = i
+            while first - 1 in solutions:
+                first -= 1
+            heading = all_cells[first - 1]
+            assert heading["cell_type"] == "markdown" and source(heading).strip() == "#### Solution", \
+                f"{title}: a '#### Solution' heading must open the solution's section (run tools/sync_notebooks.py)"
+            assert heading["metadata"].get("jp-MarkdownHeadingCollapsed") is True, \
+                f"{title}: the solution heading must be collapsed in JupyterLab"
+            assert heading["metadata"].get("id") in collapsed, \
+                f"{title}: the solution section must be listed in metadata.colab.collapsed_sections"
+            assert "remove-cell" in heading["metadata"].get("tags", []), \
+                f"{title}: the solution heading is for JupyterLab and Colab only (tag remove-cell)"
+            after = first
+            while after < len(all_cells) and (after == first or after in solutions):
+                after += 1
+            if after < len(all_cells):
+                nxt = all_cells[after]
+                level = HEADING.match(source(nxt))
+                assert nxt["cell_type"] == "markdown" and level and len(level.group(1)) <= 4, \
+                    f"{title}: only solution cells may sit in the collapsed section; the reader would miss cell {after}"

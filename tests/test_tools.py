@@ -1,6 +1,7 @@
 """The notebook sync script and the book builder, on throw-away inputs."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,12 @@ REPO = sync_notebooks.repository_url()
 
 
 def notebook(*cells):
-    return {"cells": [{"cell_type": kind, "metadata": {}, "source": src, **({"outputs": [], "execution_count": None}
-                                                                            if kind == "code" else {})}
-                      for kind, src in cells], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    def cell(i, kind, src):
+        extra = {"outputs": [], "execution_count": None} if kind == "code" else {}
+        return {"cell_type": kind, "id": f"c{i}", "metadata": {}, "source": src, **extra}
+
+    return {"cells": [cell(i, kind, src) for i, (kind, src) in enumerate(cells)], "metadata": {}, "nbformat": 4,
+            "nbformat_minor": 5}
 
 
 def test_repository_url_comes_from_pyproject():
@@ -99,3 +103,118 @@ def test_successful_book_build_replaces_the_previous_one(previous_book, monkeypa
     index = build_book.build()
     assert index == previous_book / "html" / "index.html" and index.read_text() == "new book"
     assert sorted(p.name for p in previous_book.iterdir()) == ["html"]
+
+
+# ---- regression tests: malformed notebooks, failed runs, stale MathJax, atomic book, collapsed solutions -----
+
+import run_notebook  # noqa: E402
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"cells": "nope"}', '{"cells": [{"source": "x"}]}'])
+def test_sync_names_the_file_of_a_malformed_notebook(tmp_path, text):
+    path = tmp_path / "09_broken.ipynb"
+    path.write_text(text)
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "sync_notebooks.py"), "--check", str(path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and str(path) in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert path.read_text() == text
+
+
+def test_run_notebook_names_the_file_of_a_malformed_notebook(tmp_path):
+    path = tmp_path / "09_broken.ipynb"
+    path.write_text("{not json")
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "run_notebook.py"), str(path)],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and str(path) in result.stderr and "Traceback" not in result.stderr
+    assert path.read_text() == "{not json"
+
+
+def test_failed_execution_does_not_rewrite_the_notebook(tmp_path, monkeypatch):
+    path = tmp_path / "09_test.ipynb"
+    original = json.dumps(notebook(("markdown", "# 9. Test"), ("code", "1 / 0")))
+    path.write_text(original)
+
+    class Failing:
+        def __init__(self, nb, **kwargs):
+            nb.cells[-1].outputs = [{"output_type": "stream", "name": "stdout", "text": "half\n"}]
+
+        def execute(self):
+            raise RuntimeError("cell failed")
+
+    monkeypatch.setattr(run_notebook, "NotebookClient", Failing)
+    with pytest.raises(run_notebook.NotebookError, match=re.escape(str(path)) + ".*not rewritten"):
+        run_notebook.run(path)
+    assert path.read_text() == original, "neither the sync nor the half-run may touch the file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["09_test.ipynb"]
+
+
+def test_successful_run_writes_the_synced_executed_notebook(tmp_path, monkeypatch):
+    path = tmp_path / "09_test.ipynb"
+    path.write_text(json.dumps(notebook(("markdown", "# 9. Test"), ("code", "# Solution\nx = 1"))))
+
+    class Passing:
+        def __init__(self, nb, **kwargs):
+            self.nb = nb
+
+        def execute(self):
+            for i, cell in enumerate(c for c in self.nb.cells if c.cell_type == "code"):
+                cell.execution_count = i + 1
+
+    monkeypatch.setattr(run_notebook, "NotebookClient", Passing)
+    run_notebook.run(path)
+    cells = [{**c, "source": "".join(c["source"])} for c in json.loads(path.read_text())["cells"]]
+    assert cells[1]["source"].startswith("# Setup: on Colab")
+    assert cells[2]["source"] == "#### Solution" and cells[3]["execution_count"] == 2
+
+
+def test_solutions_are_collapsed_in_the_book_jupyterlab_and_colab():
+    nb = notebook(("markdown", "# 9. Test"), ("markdown", "### Exercise 9.1"), ("code", "def my_f(): ..."),
+                  ("code", "# Solution\ndef f_solution(): ..."), ("code", "# Solution (cont.)\nprint(1)"),
+                  ("markdown", "### Exercise 9.2"), ("code", "# Solution\nprint(2)"))
+    new = sync_notebooks.hide_solutions(nb)
+    kinds = [(c["cell_type"], c["source"].splitlines()[0]) for c in new["cells"]]
+    assert kinds == [("markdown", "# 9. Test"), ("markdown", "### Exercise 9.1"), ("code", "def my_f(): ..."),
+                     ("markdown", "#### Solution"), ("code", "# Solution"), ("code", "# Solution (cont.)"),
+                     ("markdown", "### Exercise 9.2"), ("markdown", "#### Solution"), ("code", "# Solution")]
+    headings = [c for c in new["cells"] if c["source"] == "#### Solution"]
+    assert new["metadata"]["colab"]["collapsed_sections"] == [h["metadata"]["id"] for h in headings]
+    for h in headings:
+        assert h["metadata"]["jp-MarkdownHeadingCollapsed"] is True and h["metadata"]["tags"] == ["remove-cell"]
+    for c in new["cells"]:
+        if c["source"].startswith("# Solution"):
+            assert c["metadata"]["tags"] == ["hide-cell"]
+            assert c["metadata"]["jupyter"] == {"source_hidden": True, "outputs_hidden": True}
+    assert sync_notebooks.hide_solutions(new) == new, "idempotent: ids and cells stay put"
+
+
+def test_stale_vendored_mathjax_is_replaced_cleanly(tmp_path, monkeypatch):
+    vendor = tmp_path / "book" / "_vendor" / "mathjax"
+    (vendor / "input").mkdir(parents=True)
+    (vendor / "tex-chtml.js").write_text("// MathJax 2, stale")
+    (vendor / "leftover.js").write_text("// not part of the new copy")
+    monkeypatch.setattr(build_book, "VENDOR", vendor)
+    monkeypatch.setattr(build_book, "MATHJAX_PARTS", ["tex-chtml.js", "input"])
+    build_book.vendor_mathjax()
+    assert not (vendor / "leftover.js").exists(), "a stale folder is replaced as a whole, not patched"
+    assert (vendor / "tex-chtml.js").read_text() != "// MathJax 2, stale" and (vendor / "input").is_dir()
+    assert sorted(p.name for p in vendor.parent.iterdir()) == ["mathjax"], "no temporary folders remain"
+    stamp = (vendor / build_book.STAMP).stat().st_mtime_ns
+    build_book.vendor_mathjax()
+    assert (vendor / build_book.STAMP).stat().st_mtime_ns == stamp, "a current copy is left alone"
+
+
+def test_the_built_book_is_swapped_in_atomically(tmp_path, monkeypatch):
+    html, new = tmp_path / "html", tmp_path / "new"
+    html.mkdir()
+    (html / "index.html").write_text("old")
+    new.mkdir()
+    (new / "index.html").write_text("new")
+    build_book.swap_into_place(new, html)
+    assert (html / "index.html").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["html"]
+    # without renameat2 the fallback rolls back when the second rename fails
+    monkeypatch.setattr(build_book, "_exchange", lambda a, b: False)
+    missing = tmp_path / "missing"
+    with pytest.raises(OSError):
+        build_book.swap_into_place(missing, html)
+    assert (html / "index.html").read_text() == "new", "the previous book is put back"

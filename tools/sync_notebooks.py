@@ -1,9 +1,22 @@
-"""Write the Colab badge and the Colab-only setup cell into every chapter notebook.
+"""Write the Colab badge, the Colab-only setup cell and the collapsed solutions into every chapter notebook.
 
 The repository's address lives in one place, ``[project.urls] Repository`` in pyproject.toml. Every
 notebook's first cell is its title followed by the badge line written here; its second cell is the setup
 cell written here. ``--check`` changes nothing and exits with status 1 when a notebook is out of sync
-(tests/test_notebooks_sync.py runs it).
+(tests/test_notebooks.py runs it).
+
+Exercise solutions (code cells whose source starts with ``# Solution``) are collapsed in all three places a
+reader meets them:
+
+- the book: the cell carries the ``hide-cell`` tag (a toggle hides source and output);
+- JupyterLab: the cell has ``jupyter.source_hidden`` and ``jupyter.outputs_hidden``, and sits under a
+  ``#### Solution`` heading cell whose ``jp-MarkdownHeadingCollapsed`` metadata folds it away;
+- Colab: Colab ignores the ``jupyter`` metadata, and its ``cellView: "form"`` hides only the code of a cell whose
+  first line is ``#@title`` (the output stays in view). What hides both is a collapsed section: the notebook's
+  ``metadata.colab.collapsed_sections`` lists the ids (``metadata.id``) of the ``#### Solution`` heading cells.
+
+The heading cell is tagged ``remove-cell``, so the book (which has its own toggle) does not show it. A malformed
+notebook is reported with its file name, and notebooks are written atomically.
 
     python tools/sync_notebooks.py            # rewrite the notebooks in place
     python tools/sync_notebooks.py --check    # only report
@@ -12,8 +25,11 @@ cell written here. ``--check`` changes nothing and exits with status 1 when a no
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -80,6 +96,90 @@ def synced(nb: dict, nb_name: str, repo: str) -> dict:
     return new
 
 
+SOLUTION_PREFIX = "# Solution"
+SOLUTION_HEADING = "#### Solution"
+
+
+def is_solution(cell: dict) -> bool:
+    return cell.get("cell_type") == "code" and _text(cell).startswith(SOLUTION_PREFIX)
+
+
+def is_solution_heading(cell: dict) -> bool:
+    return cell.get("cell_type") == "markdown" and _text(cell).strip() == SOLUTION_HEADING
+
+
+def _heading_id(solution: dict, index: int) -> str:
+    seed = solution.get("id") or f"{index}:{_text(solution)}"
+    return "solution-" + hashlib.sha1(str(seed).encode()).hexdigest()[:8]
+
+
+def hide_solutions(nb: dict) -> dict:
+    """Return a copy of ``nb`` whose solution cells are collapsed in the book, JupyterLab and Colab."""
+    new = json.loads(json.dumps(nb))
+    cells, out, collapsed = new.get("cells", []), [], []
+    for i, cell in enumerate(cells):
+        if is_solution_heading(cell):
+            continue  # rebuilt below, in front of the solution it belongs to
+        if is_solution(cell) and not (out and is_solution(out[-1])):
+            previous = cells[i - 1] if i > 0 and is_solution_heading(cells[i - 1]) else None
+            heading_id = (previous or {}).get("metadata", {}).get("id") or _heading_id(cell, i)
+            heading = {"cell_type": "markdown", "id": (previous or {}).get("id", heading_id),
+                       "metadata": {"id": heading_id, "jp-MarkdownHeadingCollapsed": True, "tags": ["remove-cell"]},
+                       "source": SOLUTION_HEADING}
+            out.append(heading)
+            collapsed.append(heading_id)
+        if is_solution(cell):
+            meta = cell.setdefault("metadata", {})
+            tags = meta.setdefault("tags", [])
+            if "hide-cell" not in tags:
+                tags.append("hide-cell")
+            meta.setdefault("jupyter", {}).update({"source_hidden": True, "outputs_hidden": True})
+        out.append(cell)
+    new["cells"] = out
+    colab = new.setdefault("metadata", {}).setdefault("colab", {})
+    colab["collapsed_sections"] = collapsed
+    if not collapsed:
+        del colab["collapsed_sections"]
+        if not colab:
+            del new["metadata"]["colab"]
+    return new
+
+
+def read_notebook(path: Path) -> dict:
+    """The notebook at ``path`` as a dict; a ``ValueError`` naming the file if it is not a readable notebook."""
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable notebook ({err})") from None
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list) \
+            or not all(isinstance(c, dict) and "cell_type" in c for c in nb["cells"]):
+        raise ValueError(f"{path}: not a notebook (expected a JSON object with a list of cells)")
+    return nb
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder: never half a notebook."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def notebook_text(nb: dict) -> str:
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
+def synced_notebook(nb: dict, nb_name: str, repo: str) -> dict:
+    """The badge, the setup cell and the collapsed solutions, as they must be."""
+    return hide_solutions(synced(nb, nb_name, repo))
+
+
 def _normalise(nb: dict) -> dict:
     """Cell sources as plain strings, so lists-of-lines and strings compare equal."""
     out = json.loads(json.dumps(nb))
@@ -94,15 +194,24 @@ def main(argv=None) -> int:
     parser.add_argument("paths", nargs="*", type=Path, help="notebooks (default: notebooks/*.ipynb)")
     args = parser.parse_args(argv)
     repo = repository_url()
-    stale = []
+    stale, broken = [], []
     for path in args.paths or sorted(NOTEBOOKS.glob("*.ipynb")):
-        nb = json.loads(path.read_text(encoding="utf-8"))
-        new = synced(nb, path.name, repo)
+        try:
+            nb = read_notebook(path)
+            new = synced_notebook(nb, path.name, repo)
+        except ValueError as err:
+            message = str(err)
+            broken.append(message if message.startswith(str(path)) else f"{path}: {message}")
+            continue
         if _normalise(new) == _normalise(nb):
             continue
         stale.append(path.name)
         if not args.check:
-            path.write_text(json.dumps(new, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            write_atomically(path, notebook_text(new))
+    for message in broken:
+        print(f"error: {message}", file=sys.stderr)
+    if broken:
+        return 2
     if stale:
         verb = "out of sync (run `python tools/sync_notebooks.py`)" if args.check else "updated"
         print(f"{verb}: {', '.join(stale)}")
