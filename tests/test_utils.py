@@ -88,3 +88,21 @@ def test_threads_limits_and_restores_the_thread_count():
     with pytest.raises(ValueError, match="number of threads"):
         with threads(0):
             pass
+
+
+def test_atomic_write_gives_normal_permissions_and_keeps_existing_ones(tmp_path):
+    import os
+    import stat
+
+    from groundup.utils import atomic_write_bytes
+
+    new = tmp_path / "new.txt"
+    atomic_write_bytes(new, b"x")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(new.stat().st_mode) == 0o666 & ~mask, "not the 0600 of a temporary file"
+    old = tmp_path / "old.sh"
+    old.write_bytes(b"a")
+    old.chmod(0o750)
+    atomic_write_bytes(old, b"b")
+    assert stat.S_IMODE(old.stat().st_mode) == 0o750

@@ -57,7 +57,8 @@ def atomic_write_bytes(path, data: bytes) -> None:
 
     The bytes go to a temporary file in the same folder, are flushed to disk (fsync), and the file is then
     renamed over ``path`` (atomic on POSIX and Windows); the folder is fsynced so the rename survives a power cut.
-    A failure removes the temporary file and leaves any previous ``path`` untouched.
+    A failure removes the temporary file and leaves any previous ``path`` untouched. The new file gets the
+    permissions of the file it replaces, or those a new file gets by default (not the 0600 of a temporary file).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"data must be bytes, got {type(data).__name__}")
@@ -68,6 +69,7 @@ def atomic_write_bytes(path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -78,6 +80,12 @@ def atomic_write_bytes(path, data: bytes) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path, text: str, encoding: str = "utf-8") -> None:
