@@ -533,11 +533,15 @@ def train_chapter7_model(*, progress: bool = False):
 
 
 def save_chapter7_model(model: GPT, tokenizer, history: History, *, cache_dir=None) -> Path:
-    """Store the chapter 7 model with its tokenizer's characters and history, for :func:`chapter7_model`."""
+    """Store the chapter 7 model with its tokenizer's characters and history, for :func:`chapter7_model`.
+
+    Call it with one CPU thread in force (as chapter 7 trains): only such a model is reused, because only its
+    weights are the same on every machine.
+    """
     path = chapter7_path(cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_checkpoint(path, model, history=history, train_config=TrainConfig(**CHAPTER7_TRAINING),
-                    extra={"chars": list(tokenizer.chars)})
+                    extra={"chars": list(tokenizer.chars), "threads": torch.get_num_threads()})
     return path
 
 
@@ -556,7 +560,8 @@ def chapter7_model(*, cache_dir=None, progress: bool = False):
             model, ckpt = load_checkpoint(path)
             expected = dataclasses.asdict(TrainConfig(**CHAPTER7_TRAINING))
             shape = {k: ckpt["model_config"][k] for k in CHAPTER7_MODEL}
-            if ckpt["train_config"] == expected and shape == CHAPTER7_MODEL:
+            one_thread = ckpt["extra"].get("threads") == 1  # trained as chapter 7 trains it: the same weights anywhere
+            if ckpt["train_config"] == expected and shape == CHAPTER7_MODEL and one_thread:
                 return model.eval(), CharTokenizer(ckpt["extra"]["chars"])
         except (ValueError, KeyError, TypeError):
             pass  # a stale or damaged file: train afresh
