@@ -343,3 +343,135 @@ def test_mha_fully_masked_query_gives_zero_attention_on_both_paths():
     assert torch.equal(w[0, :, 0], torch.zeros(2, 3))
     torch.testing.assert_close(fast, slow)
     torch.testing.assert_close(fast[0, 0], torch.zeros(8))  # no bias: zero heads give a zero output
+
+
+# ---- hardening: numerics and API traps ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sdpa_half_precision_large_scores_stay_finite_and_match_torch(dtype):
+    g = _gen(7)
+    # entries around 100: q·k ≈ 640 000 overflows float16 (max 65 504) unless scaled and accumulated in float32
+    q = (torch.randn(2, 2, 4, 64, generator=g) + 100).to(dtype)
+    k = (torch.randn(2, 2, 6, 64, generator=g) + 100).to(dtype)
+    v = torch.randn(2, 2, 6, 64, generator=g).to(dtype)
+    mask = causal_mask(4, n_keys=6)
+    out, weights = scaled_dot_product_attention(q, k, v, mask=mask)
+    assert out.dtype == weights.dtype == dtype
+    assert torch.isfinite(out).all() and torch.isfinite(weights).all()
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mha_half_precision_paths_agree(dtype):
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 2).to(dtype)
+    x = (torch.randn(2, 5, 16) * 30).to(dtype)
+    fast = mha(x, mask=causal_mask(5))
+    explicit, _ = mha(x, mask=causal_mask(5), need_weights=True)
+    assert torch.isfinite(explicit).all()
+    torch.testing.assert_close(explicit.float(), fast.float(), atol=5e-2, rtol=5e-2)
+
+
+def test_sdpa_row_with_all_minus_inf_bias_gives_zero_weights_and_finite_gradients():
+    q, k, v = _qkv(2, n_q=3, n_k=4)
+    q.requires_grad_(True)
+    bias = torch.zeros(3, 4)
+    bias[1] = float("-inf")
+    out, weights = scaled_dot_product_attention(q, k, v, bias=bias)
+    assert torch.equal(weights[:, 1], torch.zeros(2, 4)) and torch.equal(out[:, 1], torch.zeros(2, 6))
+    torch.testing.assert_close(weights[:, [0, 2]].sum(-1), torch.ones(2, 2))
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+    # -inf from the bias on some keys and the mask on the others: still a row with nothing to attend to
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[2, :2] = False
+    bias[2, 2:] = float("-inf")
+    _, weights = scaled_dot_product_attention(q.detach(), k, v, bias=bias, mask=mask)
+    assert torch.equal(weights[:, 2], torch.zeros(2, 4))
+
+
+def test_mha_all_minus_inf_bias_row_agrees_on_fused_and_explicit_paths():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(8, 2).eval()
+    x = torch.randn(2, 3, 8)
+    bias = torch.zeros(2, 3, 3)
+    bias[:, 1, :] = float("-inf")
+    fast = mha(x, attn_bias=bias)
+    explicit, weights = mha(x, attn_bias=bias, need_weights=True)
+    assert torch.isfinite(explicit).all()
+    torch.testing.assert_close(explicit, fast)
+    torch.testing.assert_close(explicit[:, 1], mha.W_o.bias.expand(2, 8))  # no key: only W_o's bias remains
+    assert torch.equal(weights[:, :, 1], torch.zeros(2, 2, 3))
+
+
+def test_cross_attention_cache_refreshes_for_a_new_context():
+    torch.manual_seed(4)
+    mha = MultiHeadAttention(8, 2)
+    x = torch.randn(2, 1, 8)
+    cache = KVCache()
+    mha(x[:1], torch.randn(1, 5, 8), cache=cache)
+    other = torch.randn(2, 7, 8)  # a different context, even a different batch size
+    torch.testing.assert_close(mha(x, other, cache=cache), mha(x, other))
+    assert cache.k.shape == (2, 2, 7, 4)
+    other.mul_(2.0)  # changed in place: the cached keys would be stale
+    torch.testing.assert_close(mha(x, other, cache=cache), mha(x, other))
+
+
+def test_kv_cache_refuses_to_mix_self_and_cross_attention():
+    mha = MultiHeadAttention(8, 2)
+    x, ctx = torch.randn(1, 1, 8), torch.randn(1, 4, 8)
+    cross = KVCache()
+    mha(x, ctx, cache=cross)
+    with pytest.raises(ValueError, match="cross-attention context"):
+        mha(x, cache=cross)
+    own = KVCache()
+    mha(x, cache=own)
+    with pytest.raises(ValueError, match="holds self-attention keys"):
+        mha(x, ctx, cache=own)
+    with pytest.raises(TypeError, match="cache must be a KVCache"):
+        mha(x, cache=[])
+
+
+def test_mha_refuses_ambiguous_3d_mask_when_batch_equals_n_heads():
+    mha = MultiHeadAttention(8, 2)
+    x = torch.randn(2, 3, 8)  # batch 2 == n_heads 2
+    per_example = torch.ones(2, 3, 3, dtype=torch.bool)
+    per_example[1, :, 0] = False
+    for need_weights in (False, True):
+        with pytest.raises(ValueError, match=r"ambiguous.*\(batch, 1, n_q, n_k\)"):
+            mha(x, mask=per_example, need_weights=need_weights)
+    # the unambiguous spellings work, and a per-example mask really is per example
+    _, w = mha(x, mask=per_example[:, None], need_weights=True)
+    assert torch.equal(w[1, :, :, 0], torch.zeros(2, 3)) and (w[0, :, :, 0] > 0).all()
+    _, w = mha(x, mask=per_example[1][None, None].expand(1, 2, 3, 3), need_weights=True)
+    assert torch.equal(w[:, :, :, 0], torch.zeros(2, 2, 3))
+    mha(x, mask=per_example[:1])  # leading dimension 1: the same for everyone, no ambiguity
+
+
+def test_mha_3d_attn_bias_is_per_head_as_documented():
+    torch.manual_seed(1)
+    mha = MultiHeadAttention(8, 2)
+    x = torch.randn(2, 3, 8)
+    bias = torch.zeros(2, 3, 3)
+    bias[1, :, 0] = float("-inf")  # head 1 never looks at key 0, in every example
+    _, w = mha(x, attn_bias=bias, need_weights=True)
+    assert torch.equal(w[:, 1, :, 0], torch.zeros(2, 3)) and (w[:, 0, :, 0] > 0).all()
+
+
+def test_mha_dtype_mismatch_and_bad_arguments_get_clear_errors():
+    mha = MultiHeadAttention(8, 2)
+    with pytest.raises(TypeError, match=r"x has dtype torch.float64 but the attention's weights are torch.float32"):
+        mha(torch.randn(1, 3, 8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="dropout must be a number"):
+        MultiHeadAttention(8, 2, dropout="0.1")
+    with pytest.raises(ValueError, match="n_heads must be a positive integer, got 0"):
+        MultiHeadAttention(8, 0)
+
+
+def test_mha_and_causal_mask_accept_numpy_integers():
+    np = pytest.importorskip("numpy")
+    mha = MultiHeadAttention(np.int64(8), np.int32(2))
+    assert (mha.d_model, mha.n_heads, mha.d_head) == (8, 2, 4) and type(mha.d_head) is int
+    assert torch.equal(causal_mask(np.int64(3)), causal_mask(3))

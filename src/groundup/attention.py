@@ -17,10 +17,20 @@ query **may** attend to a key (note that :class:`torch.nn.MultiheadAttention` us
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _positive_int(name: str, value) -> int:
+    """``value`` as an int (Python or NumPy integers), or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def causal_mask(n: int, *, n_keys: int | None = None, device=None) -> torch.Tensor:
@@ -30,12 +40,13 @@ def causal_mask(n: int, *, n_keys: int | None = None, device=None) -> torch.Tens
     ``n_keys - n`` cached positions: query ``i`` sits at position ``n_keys - n + i`` and may attend to every
     key up to and including that position.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
         raise ValueError(f"n must be a positive integer (the sequence length), got {n!r}")
+    n = int(n)
     n_keys = n if n_keys is None else n_keys
-    if isinstance(n_keys, bool) or not isinstance(n_keys, int) or n_keys < n:
+    if isinstance(n_keys, bool) or not isinstance(n_keys, numbers.Integral) or n_keys < n:
         raise ValueError(f"n_keys must be an integer >= n = {n}, got {n_keys!r}")
-    return torch.ones(n, n_keys, dtype=torch.bool, device=device).tril(diagonal=n_keys - n)
+    return torch.ones(n, int(n_keys), dtype=torch.bool, device=device).tril(diagonal=n_keys - n)
 
 
 def _check_mask_and_bias(mask, bias, scores_shape: torch.Size) -> None:
@@ -77,18 +88,34 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, *, mask: torch.Tensor | 
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q kᵀ / √d_k + bias)`` over the keys, with masked entries set to -inf before the softmax.
 
-    Masked weights are exactly 0. A query that may attend to no key at all gets all-zero weights.
+    Masked weights are exactly 0. A query that may attend to no key at all (every key masked, or a bias of -inf
+    on every key) gets all-zero weights, as in PyTorch's fused kernel.
+
+    In float16/bfloat16 the scores are computed in float32, with the 1/√d_k scale applied *before* the product
+    (as PyTorch does): a half-precision q·k overflows to inf (then nan) already for entries of size ~100.
+    The weights are returned in the dtype of ``q``. float32 and float64 follow the formula exactly as written.
     """
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if q.dtype in _HALF_DTYPES:
+        scores = (q.float() / math.sqrt(q.shape[-1])) @ k.float().transpose(-2, -1)
+    else:
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     _check_mask_and_bias(mask, bias, scores.shape)
     if bias is not None:
         scores = scores + bias
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
+    dead = None
+    if bias is not None:
+        # A row whose bias is -inf on every key (that the mask leaves) would be 0/0 = nan after the softmax: give
+        # it all-zero weights, the fused kernel's result. Zeroing its scores first keeps the gradients finite.
+        dead = (scores == float("-inf")).all(dim=-1, keepdim=True)
+        scores = scores.masked_fill(dead, 0.0)
     weights = torch.softmax(scores, dim=-1)
     if mask is not None:  # rows with every key masked are 0/0 = nan after the softmax: make them 0
         weights = weights.masked_fill(~mask, 0.0)
-    return weights
+    if dead is not None:
+        weights = weights.masked_fill(dead, 0.0)
+    return weights.to(q.dtype)
 
 
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -112,11 +139,16 @@ class KVCache:
     ``k`` and ``v`` have shape ``(batch, n_heads, seq_so_far, d_head)`` (``None`` while empty); ``len(cache)``
     is the number of cached positions. :class:`MultiHeadAttention` calls :meth:`append` with the keys and
     values of the new positions and attends over everything returned.
+
+    In cross-attention the cache holds the keys and values of one ``context`` (:meth:`set_context`); ``context``
+    remembers which tensor they came from, so that a different context is never answered from the old one.
     """
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.context: torch.Tensor | None = None  # the cross-attention context k and v were computed from
+        self._context_version: int | None = None
 
     def __len__(self) -> int:
         return 0 if self.k is None else self.k.shape[-2]
@@ -125,11 +157,27 @@ class KVCache:
         """Forget every cached position."""
         self.k = None
         self.v = None
+        self.context = None
+        self._context_version = None
+
+    def holds(self, context: torch.Tensor) -> bool:
+        """Whether the cached keys/values are those of this very ``context`` tensor (unchanged since)."""
+        return self.k is not None and self.context is context and self._context_version == _version(context)
+
+    def set_context(self, context: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Replace the cache by the keys/values ``k``, ``v`` of a cross-attention ``context``."""
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        self.k, self.v = k, v
+        self.context, self._context_version = context, _version(context)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the keys/values of new positions (dim -2) and return all cached keys and values."""
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if self.context is not None:
+            raise ValueError("this KVCache holds the keys and values of a cross-attention context; use a separate "
+                             "KVCache for self-attention (or reset() it first)")
         if self.k is None:
             self.k, self.v = k, v
         else:
@@ -139,6 +187,14 @@ class KVCache:
             self.k = torch.cat([self.k, k], dim=-2)
             self.v = torch.cat([self.v, v], dim=-2)
         return self.k, self.v
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The in-place version counter of ``t`` (None for inference-mode tensors, which have none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 class MultiHeadAttention(nn.Module):
@@ -157,16 +213,18 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, *, d_head: int | None = None, bias: bool = True,
                  dropout: float = 0.0):
         super().__init__()
-        for name, value in (("d_model", d_model), ("n_heads", n_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        d_model, n_heads = _positive_int("d_model", d_model), _positive_int("n_heads", n_heads)
         if d_head is None:
             if d_model % n_heads:
                 raise ValueError(f"d_model = {d_model} is not divisible by n_heads = {n_heads}; choose "
                                  f"n_heads that divides d_model, or give d_head explicitly")
             d_head = d_model // n_heads
-        if isinstance(d_head, bool) or not isinstance(d_head, int) or d_head < 1:
+        if isinstance(d_head, bool) or not isinstance(d_head, numbers.Integral) or d_head < 1:
             raise ValueError(f"d_head must be a positive integer or None, got {d_head!r}")
+        d_head = int(d_head)
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
+            raise TypeError(f"dropout must be a number in [0, 1) (a probability), got {type(dropout).__name__} "
+                            f"{dropout!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.d_model, self.n_heads, self.d_head, self.dropout = d_model, n_heads, d_head, dropout
@@ -214,24 +272,47 @@ class MultiHeadAttention(nn.Module):
                 need_weights: bool = False):
         """Attend from the positions of ``x`` to those of ``context`` (cross-attention) or of ``x`` (self).
 
-        ``x (batch, n_q, d_model)``; ``context (batch, n_k, d_model)``; ``mask`` boolean, broadcastable to
-        ``(batch, n_heads, n_q, n_k)``, ``True`` = may attend (pass ``causal_mask(n)`` for a GPT);
-        ``attn_bias`` float, broadcastable to the same shape (relative position bias, ALiBi
-        ``[n_heads, n_q, n_k]``); ``rotary`` a :class:`groundup.positional.RotaryEmbedding` applied to queries
+        ``x (batch, n_q, d_model)``; ``context (batch, n_k, d_model)``; ``mask`` boolean, ``True`` = may attend,
+        of shape ``(n_q, n_k)`` (the same for every example and head; pass ``causal_mask(n)`` for a GPT) or 4-D,
+        broadcastable to ``(batch, n_heads, n_q, n_k)``: ``(batch, 1, n_q, n_k)`` per example (padding),
+        ``(1, n_heads, n_q, n_k)`` per head. A 3-D mask ``(m, n_q, n_k)`` with ``m > 1`` is refused: broadcasting
+        would read ``m`` as heads, silently, even when the caller meant examples (when batch == n_heads).
+        ``attn_bias`` float, broadcastable to the same shape; a 3-D ``attn_bias`` is always per head,
+        ``[n_heads, n_q, n_k]`` (relative position bias, ALiBi); a per-example bias must be 4-D
+        ``(batch, 1, n_q, n_k)``. ``rotary`` a :class:`groundup.positional.RotaryEmbedding` applied to queries
         and keys at ``positions`` (default ``arange(n_q)`` offset by ``len(cache)``); ``cache`` a
         :class:`KVCache`: in self-attention the new keys/values are appended and the queries attend over every
         cached position (with several new queries, pass ``causal_mask(n_q, n_keys=len(cache) + n_q)``); in
-        cross-attention the context's keys/values are computed on the first call and reused afterwards.
+        cross-attention the context's keys/values are computed on the first call and reused while the same
+        context tensor is passed; a different context (another tensor, or this one changed in place) replaces
+        them.
 
         Returns ``out (batch, n_q, d_model)``, or ``(out, weights (batch, n_heads, n_q, n_k))`` with
         ``need_weights=True``.
         """
         self._check_input("x", x)
         batch, n_q, _ = x.shape
-        cross_cached = cache is not None and context is not None and len(cache) > 0
+        if isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[0] != 1:
+            raise ValueError(f"mask of shape {tuple(mask.shape)} is ambiguous: a 3-D mask would apply per head. "
+                             f"Pass (batch, 1, n_q, n_k) for one mask per example, (1, n_heads, n_q, n_k) for one "
+                             f"per head, or (n_q, n_k) for all")
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache or None, got {type(cache).__name__}")
         if context is not None:
             self._check_input("context", context, batch)
-        q, k, v = self._project(x, context, need_kv=not cross_cached)
+            if cache is not None and cache.context is None and len(cache) > 0:
+                raise ValueError("this KVCache holds self-attention keys and values; use a separate KVCache for "
+                                 "cross-attention")
+        cross_cached = cache is not None and context is not None and cache.holds(context)
+        try:
+            q, k, v = self._project(x, context, need_kv=not cross_cached)
+        except RuntimeError as err:
+            for name, t in (("x", x), ("context", context)):
+                if t is not None and t.dtype != self.W_q.weight.dtype:
+                    raise TypeError(f"{name} has dtype {t.dtype} but the attention's weights are "
+                                    f"{self.W_q.weight.dtype}; convert one to the other (e.g. x.to("
+                                    f"{self.W_q.weight.dtype}) or module.to({t.dtype}))") from err
+            raise
         q = self._split_heads(q)
         if k is not None:
             k, v = self._split_heads(k), self._split_heads(v)
@@ -247,6 +328,8 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             if cross_cached:
                 k, v = cache.k, cache.v
+            elif context is not None:
+                cache.set_context(context, k, v)  # first call, or a new context: never attend over an old one
             else:
                 k, v = cache.append(k, v)
         if need_weights:
