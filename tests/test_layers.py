@@ -309,3 +309,52 @@ def test_decoder_block_matches_torch_transformer_decoder_layer(norm_position):
     ours = block(x, memory, mask=causal, memory_mask=~padding[:, None, None, :])
     theirs = ref(x, memory, tgt_mask=torch_causal, memory_key_padding_mask=padding)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+# ---- hardening: numerics and API traps ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 300.0, 3000.0])
+def test_norms_in_half_precision_match_torch_modules_for_large_inputs(dtype, scale):
+    # around 300, x² overflows float16 (max 65 504): the statistics must be computed in float32
+    g = torch.Generator().manual_seed(0)
+    x = (scale + scale * 0.01 * torch.randn(4, 6, 32, generator=g)).to(dtype)
+    ours_ln, ref_ln = LayerNorm(32).to(dtype), nn.LayerNorm(32, eps=1e-5).to(dtype)
+    ours_rms, ref_rms = RMSNorm(32).to(dtype), nn.RMSNorm(32, eps=1e-6).to(dtype)
+    _randomise(ours_ln), _randomise(ours_rms)
+    ref_ln.load_state_dict(ours_ln.state_dict()), ref_rms.load_state_dict(ours_rms.state_dict())
+    for ours, ref in ((ours_ln, ref_ln), (ours_rms, ref_rms)):
+        got, expected = ours(x), ref(x)
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        assert got.abs().amax() > 0.1, "not all zeros"
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    # and they are close to the float32 result
+    torch.testing.assert_close(ours_rms(x).float(), ours_rms.float()(x.float()), atol=0.05, rtol=0.02)
+
+
+def test_norms_and_ffn_name_a_dtype_mismatch():
+    x = torch.randn(2, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"LayerNorm got x of dtype torch.float64 but its weight is torch.float32"):
+        LayerNorm(8)(x)
+    with pytest.raises(TypeError, match=r"FeedForward got x of dtype torch.float64"):
+        FeedForward(8, 16)(x)
+
+
+def test_block_config_with_zero_heads_or_string_dropout_is_a_clear_error():
+    with pytest.raises(ValueError, match="config.n_heads must be a positive integer, got 0"):
+        TransformerBlock(Cfg(n_heads=0))
+    with pytest.raises(ValueError, match="config.n_heads must be a positive integer, got 0"):
+        DecoderBlock(Cfg(n_heads=0))
+    with pytest.raises(TypeError, match="dropout must be a number"):
+        TransformerBlock(Cfg(dropout="0.1"))
+    with pytest.raises(TypeError, match="dropout must be a number"):
+        FeedForward(8, 16, dropout="0.1")
+    with pytest.raises(TypeError, match="eps must be a positive number"):
+        LayerNorm(8, eps="1e-5")
+
+
+def test_layers_accept_numpy_integer_sizes():
+    np = pytest.importorskip("numpy")
+    assert LayerNorm(np.int64(8)).d == 8 and type(RMSNorm(np.int32(8)).d) is int
+    assert FeedForward(np.int64(8), np.int64(16))(torch.randn(2, 8)).shape == (2, 8)

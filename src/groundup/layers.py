@@ -12,6 +12,8 @@ dropout`` (for example :class:`groundup.models.GPTConfig`).
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,11 +32,28 @@ def _check_last_dim(x: torch.Tensor, d: int, name: str) -> None:
         raise ValueError(f"{name} expects x with last dimension {d}, got shape {tuple(x.shape)}")
 
 
-def _check_norm_args(d, eps) -> None:
-    if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
-        raise ValueError(f"d must be a positive integer, got {d!r}")
+def _positive_int(name: str, value) -> int:
+    """``value`` as an int (Python or NumPy integers), or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _check_norm_args(d, eps) -> int:
+    d = _positive_int("d", d)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a positive number, got {type(eps).__name__} {eps!r}")
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
+    return d
+
+
+def _dtype_error(name: str, x: torch.Tensor, weight: torch.Tensor, err: Exception) -> Exception:
+    """A clear TypeError when ``x`` and the module's ``weight`` disagree in dtype, else ``err`` itself."""
+    if x.dtype != weight.dtype:
+        return TypeError(f"{name} got x of dtype {x.dtype} but its weight is {weight.dtype}; convert one to the "
+                         f"other (x.to({weight.dtype}) or module.to({x.dtype}))")
+    return err
 
 
 class LayerNorm(nn.Module):
@@ -46,7 +65,7 @@ class LayerNorm(nn.Module):
 
     def __init__(self, d: int, *, eps: float = 1e-5):
         super().__init__()
-        _check_norm_args(d, eps)
+        d = _check_norm_args(d, eps)
         self.d, self.eps = d, eps
         self.weight = nn.Parameter(torch.ones(d))  # γ
         self.bias = nn.Parameter(torch.zeros(d))  # β
@@ -54,8 +73,13 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.d, "LayerNorm")
         # The formula above, written out step by step in chapter 6 (mean, biased variance 1/d, ε under the root);
-        # here through PyTorch's fused kernel, which computes the same and is much faster in training.
-        return F.layer_norm(x, (self.d,), self.weight, self.bias, self.eps)
+        # here through PyTorch's fused kernel, which computes the same and is much faster in training. In
+        # float16/bfloat16 the kernel computes the mean and variance in float32 (x² would overflow float16 for
+        # |x| > 256), as torch.nn.LayerNorm does.
+        try:
+            return F.layer_norm(x, (self.d,), self.weight, self.bias, self.eps)
+        except RuntimeError as err:
+            raise _dtype_error("LayerNorm", x, self.weight, err) from err
 
     def extra_repr(self) -> str:
         return f"{self.d}, eps={self.eps}"
@@ -66,13 +90,17 @@ class RMSNorm(nn.Module):
 
     def __init__(self, d: int, *, eps: float = 1e-6):
         super().__init__()
-        _check_norm_args(d, eps)
+        d = _check_norm_args(d, eps)
         self.d, self.eps = d, eps
         self.weight = nn.Parameter(torch.ones(d))  # γ
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.d, "RMSNorm")
-        return F.rms_norm(x, (self.d,), self.weight, self.eps)  # the formula above, as PyTorch's fused kernel
+        # The formula above, as PyTorch's fused kernel (mean(x²) in float32 for float16/bfloat16 inputs).
+        try:
+            return F.rms_norm(x, (self.d,), self.weight, self.eps)
+        except RuntimeError as err:
+            raise _dtype_error("RMSNorm", x, self.weight, err) from err
 
     def extra_repr(self) -> str:
         return f"{self.d}, eps={self.eps}"
@@ -97,9 +125,8 @@ class FeedForward(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        for name, value in (("d_model", d_model), ("d_ff", d_ff)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        d_model, d_ff = _positive_int("d_model", d_model), _positive_int("d_ff", d_ff)
+        _check_dropout(dropout)
         self.d_model, self.d_ff, self.activation = d_model, d_ff, activation
         self.W_in = nn.Linear(d_model, d_ff)  # weight [d_ff, d_model], bias β_in
         self.W_out = nn.Linear(d_ff, d_model)  # weight [d_model, d_ff], bias β_out
@@ -107,7 +134,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.d_model, "FeedForward")
-        h = self.W_in(x)
+        try:
+            h = self.W_in(x)
+        except RuntimeError as err:
+            raise _dtype_error("FeedForward", x, self.W_in.weight, err) from err
         h = F.relu(h) if self.activation == "relu" else F.gelu(h)
         return self.dropout(self.W_out(h))
 
@@ -119,7 +149,18 @@ def _check_stream(x, d_model: int, name: str) -> None:
         raise ValueError(f"{name} expects x of shape (batch, seq, d_model={d_model}), got {tuple(x.shape)}")
 
 
+def _check_dropout(dropout) -> None:
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
+        raise TypeError(f"dropout must be a number in [0, 1) (a probability), got {type(dropout).__name__} "
+                        f"{dropout!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+
+
 def _check_config(config) -> None:
+    for name in ("d_model", "n_heads", "d_ff"):
+        _positive_int(f"config.{name}", getattr(config, name))
+    _check_dropout(config.dropout)
     if config.d_model % config.n_heads != 0:
         raise ValueError(f"d_model ({config.d_model}) must be divisible by n_heads ({config.n_heads})")
     if config.norm_position not in NORM_POSITIONS:
