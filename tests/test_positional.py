@@ -298,3 +298,27 @@ def test_plot_length_generalisation_is_labelled():
         plot_length_generalisation({"rope": [1.0]}, [32, 64])
     with pytest.raises(ValueError, match="at least one method"):
         plot_length_generalisation({}, [32])
+
+
+# ---- hardening: API traps --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+def test_learned_positions_of_any_integer_dtype_are_positions_not_a_mask(dtype):
+    torch.manual_seed(0)
+    emb = LearnedPositionalEmbedding(8, 4)
+    positions = torch.tensor([[0, 1, 1], [7, 2, 0]], dtype=dtype)
+    out = emb(positions)
+    assert out.shape == (2, 3, 4)
+    assert torch.equal(out, emb.weight[positions.long()])
+    assert torch.equal(out[0, 1], emb.weight[1]) and torch.equal(out[1, 0], emb.weight[7])
+
+
+def test_positional_sizes_accept_numpy_integers():
+    np = pytest.importorskip("numpy")
+    assert torch.equal(sinusoidal_encoding(np.int64(5), np.int64(8)), sinusoidal_encoding(5, 8))
+    assert torch.equal(alibi_bias(np.int32(2), np.int64(4)), alibi_bias(2, 4))
+    emb = LearnedPositionalEmbedding(np.int64(8), np.int64(4))
+    assert type(emb.context_length) is int and emb.weight.shape == (8, 4)
+    assert RotaryEmbedding(np.int64(4)).d_head == 4
+    assert RelativePositionBias(np.int64(2), np.int64(3))(np.int64(4)).shape == (2, 4, 4)

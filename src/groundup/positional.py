@@ -17,6 +17,7 @@ Convention everywhere: positions are counted from 0, ``t`` is the query (row) an
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor, nn
@@ -32,17 +33,20 @@ __all__ = [
 ]
 
 
-def _check_int(name: str, value, *, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
+def _check_int(name: str, value, *, minimum: int = 1) -> int:
+    """``value`` as an int (Python or NumPy integers are accepted), or a clear error naming ``name``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return int(value)
 
 
-def _check_even(name: str, value) -> None:
-    _check_int(name, value)
+def _check_even(name: str, value) -> int:
+    value = _check_int(name, value)
     if value % 2:
         raise ValueError(f"{name} must be even (dimensions are used in (sin, cos) pairs), got {value}")
+    return value
 
 
 def _check_base(base) -> None:
@@ -66,8 +70,7 @@ def sinusoidal_encoding(n_positions: int, d_model: int, *, base: float = 10000.0
     Row ``k`` (position ``k = 0, 1, ...``) holds ``P[k, 2i] = sin(k / base^(2i/d))`` and
     ``P[k, 2i+1] = cos(k / base^(2i/d))`` for ``i = 0 .. d_model/2 - 1``. Angles are computed in float64.
     """
-    _check_int("n_positions", n_positions)
-    _check_even("d_model", d_model)
+    n_positions, d_model = _check_int("n_positions", n_positions), _check_even("d_model", d_model)
     _check_base(base)
     angles = torch.arange(n_positions, dtype=torch.float64)[:, None] * _frequencies(d_model, base)[None, :]
     table = torch.empty(n_positions, d_model, dtype=torch.float64)
@@ -98,15 +101,16 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def __init__(self, context_length: int, d_model: int):
         super().__init__()
-        _check_int("context_length", context_length)
-        _check_int("d_model", d_model)
+        context_length, d_model = _check_int("context_length", context_length), _check_int("d_model", d_model)
         self.context_length = context_length
         self.d_model = d_model
         self.weight = nn.Parameter(torch.randn(context_length, d_model) * 0.02)
 
     def forward(self, positions: Tensor) -> Tensor:
         _check_positions(positions, self.context_length, "context_length")
-        return self.weight[positions]
+        # .long(): indexing with a uint8 (or bool) tensor would select rows by mask, not by position; int16 and
+        # int8 are not valid indices at all. int64 positions pass through unchanged.
+        return self.weight[positions.long()]
 
     def extra_repr(self) -> str:
         return f"context_length={self.context_length}, d_model={self.d_model}"
@@ -126,8 +130,8 @@ def relative_position_bucket(offset: Tensor, *, num_buckets: int, max_distance: 
     ``B`` buckets, distances ``0 .. B/2 - 1`` get a bucket each, and larger distances share ``B/2``
     logarithmically spaced buckets up to ``max_distance``; all distances ``>= max_distance`` share the last one.
     """
-    _check_int("num_buckets", num_buckets, minimum=2 if not bidirectional else 4)
-    _check_int("max_distance", max_distance)
+    num_buckets = _check_int("num_buckets", num_buckets, minimum=2 if not bidirectional else 4)
+    max_distance = _check_int("max_distance", max_distance)
     offset = offset.long()
     bucket = torch.zeros_like(offset)
     if bidirectional:
@@ -166,8 +170,7 @@ class RelativePositionBias(nn.Module):
     def __init__(self, n_heads: int, max_distance: int, *, num_buckets: int | None = None,
                  bidirectional: bool = True):
         super().__init__()
-        _check_int("n_heads", n_heads)
-        _check_int("max_distance", max_distance)
+        n_heads, max_distance = _check_int("n_heads", n_heads), _check_int("max_distance", max_distance)
         self.n_heads = n_heads
         self.max_distance = max_distance
         self.num_buckets = num_buckets
@@ -182,7 +185,7 @@ class RelativePositionBias(nn.Module):
 
     def index(self, n: int) -> Tensor:
         """The ``[n, n]`` table of which entry of ``bias`` each (query t, key i) pair uses."""
-        _check_int("n", n)
+        n = _check_int("n", n)
         positions = torch.arange(n, device=self.bias.device)
         offset = positions[:, None] - positions[None, :]  # t - i
         if self.num_buckets is not None:
@@ -206,7 +209,7 @@ def alibi_slopes(n_heads: int) -> Tensor:
     This is the paper's formula for a power-of-two number of heads; we use it for every ``n_heads`` (the
     paper interleaves two such sequences otherwise).
     """
-    _check_int("n_heads", n_heads)
+    n_heads = _check_int("n_heads", n_heads)
     h = torch.arange(1, n_heads + 1, dtype=torch.float64)
     return (2.0 ** (-8.0 * h / n_heads)).to(torch.float32)
 
@@ -218,8 +221,7 @@ def alibi_bias(n_heads: int, n: int) -> Tensor:
     linearly, with its own slope :func:`alibi_slopes`. For ``i > t`` we use the same penalty on the distance
     ``|t - i|`` (symmetric), which a causal mask removes anyway and which keeps the bias usable without one.
     """
-    _check_int("n_heads", n_heads)
-    _check_int("n", n)
+    n_heads, n = _check_int("n_heads", n_heads), _check_int("n", n)
     positions = torch.arange(n, dtype=torch.float32)
     distance = (positions[:, None] - positions[None, :]).abs()
     return 0.0 - alibi_slopes(n_heads)[:, None, None] * distance  # 0.0 - x: no -0.0 on the diagonal
@@ -247,7 +249,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, d_head: int, *, base: float = 10000.0):
         super().__init__()
-        _check_even("d_head", d_head)
+        d_head = _check_even("d_head", d_head)
         _check_base(base)
         self.d_head = d_head
         self.base = float(base)
