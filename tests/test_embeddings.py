@@ -166,3 +166,21 @@ def test_chapter3_plots_label_and_reject_bad_input():
     import matplotlib.pyplot as plt
 
     plt.close("all")
+
+
+# ---- hardening: API traps --------------------------------------------------------------------------------
+
+
+def test_unembedding_names_a_dtype_mismatch():
+    with pytest.raises(TypeError, match=r"x has dtype torch.float64 but the unembedding's weight is torch.float32"):
+        Unembedding(4, 7)(torch.randn(2, 4, dtype=torch.float64))
+
+
+def test_embedding_sizes_accept_numpy_integers_and_ids_of_small_integer_dtypes():
+    np = pytest.importorskip("numpy")
+    emb = TokenEmbedding(np.int64(7), np.int32(4))
+    assert (emb.vocab_size, emb.d_model) == (7, 4) and type(emb.vocab_size) is int
+    assert Unembedding(np.int64(4), np.int64(7), tied_to=emb).weight is emb.weight
+    ids = torch.tensor([[0, 6, 3]])
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
+        assert torch.equal(emb(ids.to(dtype)), emb(ids))

@@ -13,6 +13,7 @@ RMS 1 gives logits of order 1.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +37,11 @@ def rms(x: torch.Tensor, dim: int = -1, *, keepdim: bool = False) -> torch.Tenso
     return x.pow(2).mean(dim=dim, keepdim=keepdim).sqrt()
 
 
-def _check_size(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+def _check_size(name: str, value) -> int:
+    """``value`` as an int (Python or NumPy integers), or a ValueError naming ``name``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 class TokenEmbedding(nn.Module):
@@ -57,8 +60,7 @@ class TokenEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, d_model: int, *, init: str = "rms"):
         super().__init__()
-        _check_size("vocab_size", vocab_size)
-        _check_size("d_model", d_model)
+        vocab_size, d_model = _check_size("vocab_size", vocab_size), _check_size("d_model", d_model)
         if init not in INITS:
             raise ValueError(f"init must be one of {', '.join(repr(i) for i in INITS)}; got {init!r}")
         self.vocab_size = vocab_size
@@ -112,8 +114,7 @@ class Unembedding(nn.Module):
 
     def __init__(self, d_model: int, vocab_size: int, *, tied_to: nn.Module | None = None):
         super().__init__()
-        _check_size("d_model", d_model)
-        _check_size("vocab_size", vocab_size)
+        d_model, vocab_size = _check_size("d_model", d_model), _check_size("vocab_size", vocab_size)
         self.d_model = d_model
         self.vocab_size = vocab_size
         if tied_to is None:
@@ -137,7 +138,14 @@ class Unembedding(nn.Module):
             raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
-        return x @ self.weight.T
+        try:
+            return x @ self.weight.T
+        except RuntimeError as err:
+            if x.dtype != self.weight.dtype:
+                raise TypeError(f"x has dtype {x.dtype} but the unembedding's weight is {self.weight.dtype}; "
+                                f"convert one to the other (x.to({self.weight.dtype}) or module.to({x.dtype}))"
+                                ) from err
+            raise
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, vocab_size={self.vocab_size}, tied={self.tied}"
