@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from groundup.bigram import BigramLM, bigram_counts, perplexity
+from groundup.bigram import BigramLM, NGramLM, bigram_counts, perplexity
 
 
 def test_counts_by_hand():
@@ -60,7 +60,7 @@ def test_sampling_follows_the_counts_and_is_reproducible():
     (lambda: bigram_counts([[0, 1]], vocab_size=3), ValueError, "1-D sequence"),
     (lambda: bigram_counts(torch.tensor([0.5, 1.0]), vocab_size=3), TypeError, "integer token ids"),
     (lambda: bigram_counts([0, 1], vocab_size=0), ValueError, "vocab_size must be a positive integer"),
-    (lambda: BigramLM.fit([0, 1], 2, alpha=-1), ValueError, "alpha must be a non-negative number"),
+    (lambda: BigramLM.fit([0, 1], 2, alpha=-1), ValueError, "alpha must be a finite non-negative number"),
     (lambda: BigramLM.fit([0, 1], 2).loss([1]), ValueError, "at least 2 tokens"),
     (lambda: BigramLM.fit([0, 1], 2).sample(2, 3), ValueError, r"token must lie in \[0, 2\)"),
     (lambda: BigramLM(torch.zeros(2, 3)), ValueError, "square"),
@@ -109,3 +109,53 @@ def test_ngram_rejects_bad_arguments(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         NGramLM.fit(list(range(5)) * 10, 5, **kwargs)
+
+
+# ---- hardening: API traps --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), -1.0, "1", True])
+def test_bigram_rejects_non_finite_or_negative_smoothing(alpha):
+    with pytest.raises(ValueError, match="alpha must be a finite non-negative number"):
+        BigramLM.fit([0, 1, 2], 3, alpha=alpha)
+
+
+def test_bigram_rejects_negative_fractional_or_boolean_counts():
+    counts = torch.tensor([[1, 0], [2, 3]])
+    with pytest.raises(ValueError, match="counts must be >= 0"):
+        BigramLM(counts - 2)
+    with pytest.raises(ValueError, match="counts must be whole numbers"):
+        BigramLM(counts + 0.5)
+    with pytest.raises(ValueError, match="counts must be whole numbers"):
+        BigramLM(torch.tensor([[1.0, float("nan")], [0.0, 1.0]]))
+    with pytest.raises(TypeError, match="counts must hold integer counts"):
+        BigramLM(counts > 0)
+    with pytest.raises(TypeError, match="counts must be a torch.Tensor"):
+        BigramLM([[1, 0], [2, 3]])
+    assert torch.equal(BigramLM(counts.double()).probs, BigramLM(counts).probs)  # whole floats are fine
+
+
+def test_bigram_refuses_float_token_ids_instead_of_truncating():
+    lm = BigramLM.fit([0, 1, 2, 1], 3)
+    with pytest.raises(TypeError, match="token must be an integer token id, got float 1.7"):
+        lm.next_token_probs(1.7)
+    with pytest.raises(TypeError, match="start must be an integer token id"):
+        lm.sample(0.5, 3)
+    with pytest.raises(TypeError, match="ids must hold integer token ids"):
+        lm.loss([0.0, 1.5])
+    assert torch.equal(lm.next_token_probs(torch.tensor(1)), lm.next_token_probs(1))
+
+
+def test_bigram_sample_rejects_an_int_as_generator():
+    lm = BigramLM.fit([0, 1, 2, 1], 3)
+    with pytest.raises(TypeError, match=r"generator must be a torch.Generator .* got int 0"):
+        lm.sample(0, 3, generator=0)
+
+
+def test_bigram_and_ngram_accept_numpy_integers():
+    np = pytest.importorskip("numpy")
+    ids = np.array([0, 1, 2, 1, 0])
+    lm = BigramLM.fit(ids, np.int64(3))
+    g = torch.Generator().manual_seed(0)
+    assert lm.sample(np.int64(1), np.int64(4), generator=g) == lm.sample(1, 4, generator=g.manual_seed(0))
+    assert NGramLM.fit(ids, np.int64(3), np.int64(2)).loss(ids) == pytest.approx(NGramLM.fit(ids, 3, 2).loss(ids))

@@ -9,9 +9,34 @@ it the baseline every later model must beat.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
+
+
+def _count(name: str, value, *, minimum: int) -> int:
+    """``value`` as an int (Python or NumPy integers), or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        kind = "a positive" if minimum == 1 else "a non-negative"
+        raise ValueError(f"{name} must be {kind} integer, got {value!r}")
+    return int(value)
+
+
+def _token(name: str, value) -> int:
+    """One token id given as an int (Python, NumPy, or a 0-d integer tensor); floats are refused, not truncated."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
+            and not value.is_complex() and value.dtype != torch.bool:
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer token id, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _check_generator(generator) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, "
+                        f"got {type(generator).__name__} {generator!r}")
 
 
 def _as_ids(ids: Sequence[int] | torch.Tensor, vocab_size: int, name: str = "ids") -> torch.Tensor:
@@ -28,8 +53,7 @@ def _as_ids(ids: Sequence[int] | torch.Tensor, vocab_size: int, name: str = "ids
 
 def bigram_counts(ids: Sequence[int] | torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``counts[a, b]`` = how often token ``b`` directly follows token ``a`` in ``ids`` (LongTensor[n_V, n_V])."""
-    if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    vocab_size = _count("vocab_size", vocab_size, minimum=1)
     ids = _as_ids(ids, vocab_size)
     pairs = ids[:-1] * vocab_size + ids[1:]
     return torch.bincount(pairs, minlength=vocab_size * vocab_size).view(vocab_size, vocab_size)
@@ -50,10 +74,20 @@ class BigramLM:
     """
 
     def __init__(self, counts: torch.Tensor, *, alpha: float = 1.0):
+        if not isinstance(counts, torch.Tensor):
+            raise TypeError(f"counts must be a torch.Tensor of bigram counts, got {type(counts).__name__}")
         if counts.dim() != 2 or counts.shape[0] != counts.shape[1]:
             raise ValueError(f"counts must be a square [n_V, n_V] matrix, got shape {tuple(counts.shape)}")
-        if not isinstance(alpha, (int, float)) or alpha < 0:
-            raise ValueError(f"alpha must be a non-negative number, got {alpha!r}")
+        if counts.dtype == torch.bool or counts.is_complex():
+            raise TypeError(f"counts must hold integer counts, got dtype {counts.dtype}")
+        if counts.is_floating_point() and not bool((counts == counts.round()).all()):
+            raise ValueError("counts must be whole numbers (they count bigrams); got fractional or non-finite "
+                             "values, which would be truncated")
+        if counts.numel() and bool((counts < 0).any()):
+            raise ValueError(f"counts must be >= 0 (they count bigrams), got {counts.min().item()}")
+        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) \
+                or alpha < 0:
+            raise ValueError(f"alpha must be a finite non-negative number (add-α smoothing), got {alpha!r}")
         self.counts = counts.long()
         self.alpha = float(alpha)
         smoothed = self.counts.double() + self.alpha
@@ -72,9 +106,10 @@ class BigramLM:
 
     def next_token_probs(self, token: int) -> torch.Tensor:
         """The distribution ``P(· | token)`` over the vocabulary."""
-        if not 0 <= int(token) < self.vocab_size:
+        token = _token("token", token)
+        if not 0 <= token < self.vocab_size:
             raise ValueError(f"token must lie in [0, {self.vocab_size}), got {token}")
-        return self.probs[int(token)]
+        return self.probs[token]
 
     def loss(self, ids: Sequence[int] | torch.Tensor) -> float:
         """Mean next-token cross-entropy (nats) of ``ids``: ``-1/(n-1) Σ_t log P(w_t | w_{t-1})``, t = 2..n."""
@@ -90,10 +125,11 @@ class BigramLM:
 
     def sample(self, start: int, n_tokens: int, *, generator: torch.Generator | None = None) -> list[int]:
         """Generate ``n_tokens`` ids after ``start`` by repeatedly sampling ``w_t ~ P(· | w_{t-1})``."""
-        if not isinstance(n_tokens, int) or n_tokens < 0:
-            raise ValueError(f"n_tokens must be a non-negative integer, got {n_tokens!r}")
-        out = [int(start)]
+        n_tokens = _count("n_tokens", n_tokens, minimum=0)
+        _check_generator(generator)
+        start = _token("start", start)
         self.next_token_probs(start)  # validates start
+        out = [start]
         for _ in range(n_tokens):
             nxt = torch.multinomial(self.probs[out[-1]], 1, generator=generator).item()
             out.append(nxt)
@@ -114,9 +150,8 @@ class NGramLM:
 
     def __init__(self, n: int, vocab_size: int, context_keys, context_counts, pair_keys, pair_counts, *,
                  alpha: float = 1.0):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n must be a positive integer, got {n!r}")
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0 or alpha == float("inf"):
+        n, vocab_size = _count("n", n, minimum=1), _count("vocab_size", vocab_size, minimum=1)
+        if not isinstance(alpha, numbers.Real) or isinstance(alpha, bool) or not alpha > 0 or alpha == float("inf"):
             raise ValueError(f"alpha must be a positive finite number (add-α smoothing), got {alpha!r}")
         if vocab_size ** n >= 2**63:
             raise ValueError(f"n = {n} is too large for vocab_size = {vocab_size}: the n-gram keys overflow int64")
@@ -135,11 +170,11 @@ class NGramLM:
     @classmethod
     def fit(cls, ids: Sequence[int] | torch.Tensor, vocab_size: int, n: int, *, alpha: float = 1.0) -> NGramLM:
         """Count every window of ``n`` tokens of ``ids`` and of its first ``n - 1`` tokens."""
-        if not isinstance(vocab_size, int) or vocab_size < 1:
-            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        vocab_size = _count("vocab_size", vocab_size, minimum=1)
         ids = _as_ids(ids, vocab_size)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1 or len(ids) < n:
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1 or len(ids) < n:
             raise ValueError(f"n must be an integer in [1, len(ids)] = [1, {len(ids)}], got {n!r}")
+        n = int(n)
         pair_keys, pair_counts = cls._keys(ids, n, vocab_size).unique(return_counts=True)
         # count(c) = Σ_b count(c, b): sum the pair counts of each context (pair keys are sorted, so contexts are too)
         context_of_pair = pair_keys // vocab_size
