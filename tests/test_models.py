@@ -216,3 +216,74 @@ def test_gpt_matches_a_model_built_from_torch_builtins():
         h = layer(h, src_mask=mask)
     expected = F.linear(final(h), model.token_embedding.weight)
     torch.testing.assert_close(model(idx)[0], expected, atol=1e-5, rtol=1e-5)
+
+
+# ---- hardening: numerics and API traps ------------------------------------------------------------------
+
+
+def _tiny(**kw):
+    return GPTConfig(**{**dict(vocab_size=11, context_length=8, d_model=16, n_layers=2, n_heads=2), **kw})
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("positional,norm", [("learned", "layernorm"), ("rope", "rmsnorm"), ("alibi", "layernorm")])
+def test_gpt_in_half_precision_stays_finite_and_close_to_float32(dtype, positional, norm):
+    torch.manual_seed(0)
+    model = GPT(_tiny(positional=positional, norm=norm, tie_weights=False))
+    with torch.no_grad():
+        model.token_embedding.weight.mul_(300.0)  # a stream around 300: x² overflows float16
+    idx = torch.randint(0, 11, (2, 8))
+    expected, _ = model(idx)
+    half = GPT(model.config)
+    half.load_state_dict(model.state_dict())
+    logits, loss = half.to(dtype)(idx, idx)
+    assert logits.dtype == dtype and torch.isfinite(logits).all() and torch.isfinite(loss)
+    torch.testing.assert_close(logits.float(), expected, atol=0.1, rtol=0.05)
+    assert torch.isfinite(GPT(model.config).half()(idx)[0]).all()
+
+
+def test_gpt_rejects_bool_targets():
+    model = GPT(_tiny())
+    idx = torch.randint(0, 11, (2, 8))
+    with pytest.raises(TypeError, match="targets must be an integer torch.Tensor of token ids, got torch.bool"):
+        model(idx, idx > 5)
+
+
+def test_gpt_rejects_targets_that_ignore_every_position():
+    model = GPT(_tiny())
+    idx = torch.randint(0, 11, (2, 8))
+    with pytest.raises(ValueError, match="every target is -100"):
+        model(idx, torch.full_like(idx, -100))
+    targets = torch.full_like(idx, -100)
+    targets[0, 0] = 3
+    assert torch.isfinite(model(idx, targets)[1])
+
+
+@pytest.mark.parametrize("bad", [11, -1, 300])
+def test_gpt_targets_out_of_range_name_the_argument(bad):
+    model = GPT(_tiny())
+    idx = torch.randint(0, 11, (2, 8))
+    targets = idx.clone()
+    targets[1, 2] = bad
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 10\] \(vocab_size=11\) or be -100"):
+        model(idx, targets)
+
+
+def test_gpt_accepts_small_integer_dtypes_and_numpy_sizes():
+    np = pytest.importorskip("numpy")
+    config = _tiny(d_model=np.int64(16), n_heads=np.int32(2), context_length=np.int64(8))
+    assert type(config.d_model) is int and config.d_head == 8
+    torch.manual_seed(0)
+    model = GPT(config)
+    idx = torch.randint(0, 11, (2, 8))
+    logits, loss = model(idx, idx)
+    for dtype in (torch.int16, torch.int32, torch.uint8):
+        other, other_loss = model(idx.to(dtype), idx.to(dtype))
+        assert torch.equal(other, logits) and torch.equal(other_loss, loss)
+
+
+def test_gpt_config_rejects_zero_heads_and_string_dropout():
+    with pytest.raises(ValueError, match="n_heads must be a positive integer, got 0"):
+        _tiny(n_heads=0)
+    with pytest.raises(ValueError, match=r"dropout must be a number in \[0, 1\), got '0.1'"):
+        _tiny(dropout="0.1")

@@ -8,6 +8,7 @@ next-token cross-entropy when targets are given.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -60,8 +61,10 @@ class GPTConfig:
             self.d_ff = 4 * self.d_model
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads", "d_ff"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if type(value) is not int:  # a NumPy integer, say: store the plain int
+                setattr(self, name, int(value))
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.positional not in POSITIONALS:
@@ -74,7 +77,7 @@ class GPTConfig:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if self.norm_position not in NORM_POSITIONS:
             raise ValueError(f"norm_position must be one of {NORM_POSITIONS}, got {self.norm_position!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real) \
                 or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         if not isinstance(self.tie_weights, bool):
@@ -140,7 +143,8 @@ class GPT(nn.Module):
         """Logits ``(batch, seq, vocab_size)`` for token ids ``idx (batch, seq)``, and the loss.
 
         ``targets`` (same shape as ``idx``, usually ``idx`` shifted by one) gives ``loss``, the mean
-        cross-entropy of the next-token predictions (positions whose target is -100 are ignored); without
+        cross-entropy of the next-token predictions (positions whose target is -100 are ignored; on the CPU,
+        targets that ignore every position raise ``ValueError`` instead of giving a nan loss); without
         targets ``loss`` is None. ``cache`` (from :meth:`new_cache`) makes ``idx`` continue the positions
         already cached, for generation with a KV cache.
         """
@@ -181,10 +185,21 @@ class GPT(nn.Module):
 
         loss = None
         if targets is not None:
-            if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point:
-                raise TypeError("targets must be an integer torch.Tensor of token ids")
+            if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point \
+                    or targets.dtype.is_complex or targets.dtype == torch.bool:
+                got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
+                raise TypeError(f"targets must be an integer torch.Tensor of token ids, got {got}")
             if targets.shape != idx.shape:
                 raise ValueError(f"targets must have the same shape as idx {tuple(idx.shape)}, "
                                  f"got {tuple(targets.shape)}")
-            loss = F.cross_entropy(logits.reshape(-1, c.vocab_size), targets.reshape(-1).long())
+            try:
+                loss = F.cross_entropy(logits.reshape(-1, c.vocab_size), targets.reshape(-1).long())
+            except IndexError as err:  # the kernel's own range check ("Target 300 is out of bounds.")
+                raise ValueError(f"targets must lie in [0, {c.vocab_size - 1}] (vocab_size={c.vocab_size}) or be "
+                                 f"-100 (ignored): {err}") from None
+            # Every target ignored: the mean over no positions is 0/0 = nan. Checked only when the loss is nan
+            # and only on the CPU, where it costs nothing (on a GPU it would wait for the device every step).
+            if loss.device.type == "cpu" and torch.isnan(loss) and bool((targets == -100).all()):
+                raise ValueError("every target is -100 (ignored): the mean loss over no positions is undefined; "
+                                 "give at least one target in [0, vocab_size)")
         return logits, loss
