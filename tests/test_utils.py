@@ -106,3 +106,31 @@ def test_atomic_write_gives_normal_permissions_and_keeps_existing_ones(tmp_path)
     old.chmod(0o750)
     atomic_write_bytes(old, b"b")
     assert stat.S_IMODE(old.stat().st_mode) == 0o750
+
+
+# ---- hardening: API traps --------------------------------------------------------------------------------
+
+
+def test_set_seed_accepts_numpy_integers():
+    set_seed(np.int64(3))
+    a = torch.rand(3)
+    set_seed(3)
+    assert torch.equal(a, torch.rand(3))
+    from groundup.utils import threads
+
+    with threads(np.int64(1)):
+        assert torch.get_num_threads() == 1
+
+
+def test_groundup_device_cuda_on_a_cpu_build_is_a_clear_error(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    monkeypatch.setenv("GROUNDUP_DEVICE", "cuda")
+    with pytest.raises(ValueError, match="GROUNDUP_DEVICE='cuda' asks for a GPU, but .*set GROUNDUP_DEVICE=cpu"):
+        default_device()
+
+
+def test_groundup_device_that_is_not_a_device_name_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("GROUNDUP_DEVICE", "gpu please")
+    with pytest.raises(ValueError, match="GROUNDUP_DEVICE='gpu please' is not a device name"):
+        default_device()

@@ -1,6 +1,7 @@
 """The two helpers every chapter uses: one seed for everything, one choice of device."""
 
 import contextlib
+import numbers
 import os
 import random
 import tempfile
@@ -16,8 +17,9 @@ def set_seed(seed: int = 0) -> None:
     Every notebook calls this once after its imports, so a re-run prints the same numbers. Code that wants a
     stream of random numbers of its own passes a ``torch.Generator().manual_seed(...)`` explicitly.
     """
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    seed = int(seed)  # a NumPy integer, say
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -31,8 +33,9 @@ def threads(n: int):
     bit only between runs with the same count; the book's long experiments run on one thread so that they print the
     same numbers on every machine (and small models are nearly as fast on one core).
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
         raise ValueError(f"n must be a positive integer (a number of threads), got {n!r}")
+    n = int(n)
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -44,11 +47,26 @@ def threads(n: int):
 def default_device() -> torch.device:
     """The device the book runs on: CUDA when a GPU is present, otherwise the CPU.
 
-    Set ``GROUNDUP_DEVICE`` (for example to ``cpu``) to override the choice.
+    Set ``GROUNDUP_DEVICE`` (for example to ``cpu``) to override the choice; a device this PyTorch build or
+    machine cannot use is a ``ValueError`` that says so, here rather than at the first tensor moved there.
     """
-    forced = os.environ.get("GROUNDUP_DEVICE")
+    forced = os.environ.get("GROUNDUP_DEVICE", "").strip()
     if forced:
-        return torch.device(forced)
+        try:
+            device = torch.device(forced)
+        except RuntimeError:
+            raise ValueError(f"GROUNDUP_DEVICE={forced!r} is not a device name; use e.g. 'cpu', 'cuda' or "
+                             f"'cuda:0', or unset it") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            build = "this PyTorch build has no CUDA support" if torch.version.cuda is None else "no GPU is visible"
+            raise ValueError(f"GROUNDUP_DEVICE={forced!r} asks for a GPU, but {build}; set GROUNDUP_DEVICE=cpu "
+                             f"or unset it")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"GROUNDUP_DEVICE={forced!r}: there are only {torch.cuda.device_count()} GPU(s)")
+        if device.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(f"GROUNDUP_DEVICE={forced!r} asks for Apple's MPS, which is not available here; set "
+                             f"GROUNDUP_DEVICE=cpu or unset it")
+        return device
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
