@@ -64,3 +64,82 @@ def test_bench_quality_section_runs_only_when_named(capsys):
     from groundup.bench.__main__ import OPTIONAL, SECTIONS
 
     assert "quality" in OPTIONAL and "quality" not in SECTIONS and "training" in SECTIONS
+
+
+# ---- hardening: the command line -------------------------------------------------------------------------
+
+
+def test_version_flag_and_python_dash_m_groundup():
+    from groundup import __version__
+
+    result = subprocess.run([sys.executable, "-m", "groundup", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == f"groundup {__version__}"
+
+
+def test_data_help_lists_the_corpora(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["data", "--help"])
+    assert exit_.value.code == 0
+    assert "shakespeare, tinyshakespeare" in capsys.readouterr().out
+
+
+def test_bench_help_lists_the_sections(capsys):
+    from groundup.bench.__main__ import OPTIONAL, SECTIONS
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert all(name in out for name in SECTIONS + OPTIONAL)
+
+
+def _fake_bench(monkeypatch, behaviour):
+    import groundup.bench.__main__ as bench_main
+
+    monkeypatch.setattr(bench_main, "main", behaviour)
+
+
+def test_broken_pipe_exits_quietly_with_status_141(monkeypatch, capsys):
+    def reader_went_away(sections):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    _fake_bench(monkeypatch, reader_went_away)
+    assert cli.main(["bench"]) == cli.EXIT_BROKEN_PIPE == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_io_error_prints_one_line_and_exits_1(monkeypatch, capsys):
+    def disk_full(sections):
+        raise OSError(28, "No space left on device", "run/ckpt.pt")
+
+    _fake_bench(monkeypatch, disk_full)
+    assert cli.main(["bench"]) == 1
+    assert capsys.readouterr().err == "groundup: error: No space left on device: run/ckpt.pt\n"
+
+
+def test_piping_into_head_prints_no_traceback():
+    code = ("import sys; import groundup.bench.__main__ as b\n"
+            "b.main = lambda s: [print('line', i) for i in range(200000)] and 0\n"
+            "from groundup.cli import main; sys.exit(main(['bench']))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # like `| head -1`
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and "Traceback" not in err and err == ""
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+def test_writing_to_a_full_disk_prints_one_line():
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "groundup", "--version"], stdout=full,
+                                stderr=subprocess.PIPE, text=True)
+    assert result.returncode == 1
+    assert result.stderr == "groundup: error: No space left on device\n"
+
+
+def test_bench_tokenizers_without_the_library_says_what_to_install(monkeypatch, capsys):
+    from groundup.bench.__main__ import main as bench_main
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers now fails
+    assert bench_main(["tokenizers"]) == 1
+    err = capsys.readouterr().err
+    assert "[tokenizers] skipped" in err and "pip install tokenizers" in err

@@ -39,7 +39,19 @@ def library_tokenizer(text: str, vocab_size: int = VOCAB_SIZE):
     return tok
 
 
+def require_library() -> None:
+    """Fail fast, with what to install, when the optional ``tokenizers`` library is missing."""
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise ModuleNotFoundError(
+            "the tokenizers section compares with Hugging Face's `tokenizers` library, which is not installed; "
+            "install it with `pip install tokenizers` (or the dev extra: `pip install -e '.[dev]'`)",
+            name="tokenizers") from None
+
+
 def run() -> list[Row]:
+    require_library()
     small, small_name = training_text()
     corpus = load_corpus("shakespeare")
     mb_small, mb_corpus = len(small.encode()) / 1e6, len(corpus.encode()) / 1e6
