@@ -30,7 +30,7 @@ TOKENIZER_NAME = "tokenizer.json"
 
 # The CPU recipe (chapter 7 shows the search that chose it).
 RECIPE_MODEL = dict(context_length=128, d_model=192, n_layers=6, n_heads=6, positional="rope", dropout=0.0)
-RECIPE_TRAINING = dict(batch_size=16, max_steps=2000, learning_rate=2e-3, warmup_steps=100, weight_decay=0.1,
+RECIPE_TRAINING = dict(batch_size=8, max_steps=4000, learning_rate=2e-3, warmup_steps=50, weight_decay=0.1,
                        grad_clip=1.0, eval_interval=250, eval_batches=20)
 
 
