@@ -27,11 +27,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
-import tempfile
 import tomllib
 from pathlib import Path
+
+from groundup.utils import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -159,16 +159,7 @@ def read_notebook(path: Path) -> dict:
 
 def write_atomically(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder: never half a notebook."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, text)
 
 
 def notebook_text(nb: dict) -> str:
