@@ -421,3 +421,13 @@ def test_data_command_reports_cache_problems_without_a_traceback(isolated, tmp_p
     monkeypatch.setenv("GROUNDUP_CACHE_DIR", str(tmp_path / "file"))
     assert data.main(["tinyshakespeare"]) == 1
     assert capsys.readouterr().err.startswith("error: cannot cache corpora in")
+
+
+def test_get_batch_names_a_generator_given_as_an_int_and_accepts_numpy_sizes():
+    import numpy as np
+
+    data = torch.arange(100)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        get_batch(data, 2, 8, generator=5)
+    x, y = get_batch(data, np.int64(3), np.int32(8), generator=torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (3, 8)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import numbers
 import os
 import shutil
 import signal
@@ -405,9 +406,15 @@ def get_batch(data: torch.Tensor, batch_size: int, context_length: int, *,
         raise ValueError(f"data must be a 1-D tensor of token ids, got shape {tuple(data.shape)}")
     if data.dtype.is_floating_point or data.dtype == torch.bool:
         raise TypeError(f"data must hold integer token ids, got dtype {data.dtype}")
+    sizes = []
     for arg, value in (("batch_size", batch_size), ("context_length", context_length)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{arg} must be a positive integer, got {value!r}")
+        sizes.append(int(value))  # also NumPy integers
+    batch_size, context_length = sizes
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__} (for a seed, "
+                        "pass torch.Generator().manual_seed(seed))")
     if len(data) < context_length + 1:
         raise ValueError(
             f"data has {len(data)} tokens, but a window of context_length={context_length} needs at least "
