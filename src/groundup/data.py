@@ -28,6 +28,8 @@ from pathlib import Path
 import platformdirs
 import torch
 
+from groundup.utils import fsync_folder
+
 try:
     import fcntl
 except ImportError:  # Windows: stale scratch folders are recognised by their age alone
@@ -312,12 +314,7 @@ def _replace_durably(data: bytes, scratch: Path, target: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(partial, target)  # atomic: readers see the old state or the whole verified file
-    if hasattr(os, "O_DIRECTORY"):
-        fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_folder(target.parent)
 
 
 def locate_corpus(name: str = "shakespeare", *, cache_dir: str | os.PathLike | None = None) -> tuple[str, Path, str]:
