@@ -314,3 +314,54 @@ def test_a_time_budget_ends_the_run_and_decays_over_the_time(monkeypatch):
     after = history.lr[3:]
     assert all(a >= b for a, b in zip(after, after[1:])) and after[-1] < 0.15 * c.learning_rate
     assert lr_at(5, c, progress=1.0) == pytest.approx(c.min_lr) and lr_at(5, c, progress=0.0) == c.learning_rate
+
+
+# --- the batches hook (models trained on other objectives, chapters 9-10) ------------------------------------
+
+
+def windows_batches(data, batch_size, context_length, generator):
+    """The default next-token windows, through the hook."""
+    from groundup.data import get_batch
+
+    x, y = get_batch(data, batch_size, context_length, generator=generator)
+    return (x,), y
+
+
+def test_a_batches_function_drives_the_steps_exactly_like_the_default_windows():
+    plain = tiny_model()
+    hooked = tiny_model()
+    a = train(plain, pattern_data(), pattern_data(seed=1), config())
+    b = train(hooked, pattern_data(), pattern_data(seed=1), config(), batches=windows_batches)
+    assert a.train_loss == b.train_loss
+    for p, q in zip(plain.parameters(), hooked.parameters()):
+        assert torch.equal(p, q)
+    assert b.val_loss != a.val_loss  # evaluation differs: fixed random batches instead of spread windows
+    assert b.val_loss[-1] == evaluate(hooked, pattern_data(seed=1), batch_size=4, max_batches=4,
+                                      batches=windows_batches)
+
+
+def test_evaluate_with_batches_draws_the_same_held_out_batches_every_time():
+    model = tiny_model()
+    seen = []
+
+    def recording(data, batch_size, context_length, generator):
+        inputs, y = windows_batches(data, batch_size, context_length, generator)
+        seen.append(inputs[0])
+        return inputs, y
+
+    first = evaluate(model, pattern_data(), batch_size=3, max_batches=2, batches=recording)
+    second = evaluate(model, pattern_data(), batch_size=3, max_batches=2, batches=recording)
+    assert first == second and len(seen) == 4
+    assert torch.equal(seen[0], seen[2]) and not torch.equal(seen[0], seen[1])
+
+
+def test_the_batches_hook_rejects_bad_uses():
+    with pytest.raises(TypeError, match="batches must be a function"):
+        train(tiny_model(), pattern_data(), pattern_data(), config(), batches=3)
+    with pytest.raises(ValueError, match="eval_batches"):
+        train(tiny_model(), pattern_data(), pattern_data(), config(eval_batches=None), batches=windows_batches)
+    with pytest.raises(ValueError, match="needs max_batches"):
+        evaluate(tiny_model(), pattern_data(), batches=windows_batches)
+    with pytest.raises(TypeError, match=r"must return \(inputs, targets\)"):
+        train(tiny_model(), pattern_data(), pattern_data(), config(),
+              batches=lambda d, b, n, g: windows_batches(d, b, n, g)[0])

@@ -209,17 +209,56 @@ def _check_data(name: str, data, context_length: int) -> torch.Tensor:
     return data
 
 
+EVAL_SEED = 1234
+"""The seed of the generator :func:`evaluate` draws its batches from when given ``batches``: every evaluation of
+a run sees the same held-out batches."""
+
+
+def _draw(batches, data, batch_size: int, context_length: int, generator: torch.Generator):
+    """One batch from a ``batches`` function, checked: (inputs tuple, targets tensor)."""
+    out = batches(data, batch_size, context_length, generator)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], tuple)
+            and all(isinstance(t, torch.Tensor) for t in (*out[0], out[1]))):
+        raise TypeError("batches(data, batch_size, context_length, generator) must return (inputs, targets): a "
+                        "tuple of tensors for the model's positional arguments and a tensor of targets, got "
+                        f"{type(out).__name__}")
+    return out
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data, *, batch_size: int = 16, context_length: int | None = None,
-             max_batches: int | None = None) -> float:
+             max_batches: int | None = None, batches=None) -> float:
     """The mean next-token loss of ``model`` on ``data``, over non-overlapping windows (deterministic).
 
     The windows ``data[s : s + context_length + 1]`` start at ``s = 0, n_C, 2 n_C, ...``; every token after the
     first of each window is predicted once, from up to ``n_C - 1`` tokens before it, as in training. With
     ``max_batches``, only that many batches are used, spread evenly over the text (cheaper, same every time).
     The model is put in eval mode (no dropout) and restored afterwards.
+
+    Models trained on something other than next-token windows (a masked LM, an encoder–decoder) pass the same
+    ``batches`` function as to :func:`train`; the loss is then the mean of ``model(*inputs, targets)``'s loss
+    over ``max_batches`` batches drawn from a generator seeded with :data:`EVAL_SEED` (the same batches every
+    time).
     """
     n_c = context_length or model.config.context_length
+    if batches is not None:
+        if max_batches is None:
+            raise ValueError("evaluate with batches= needs max_batches (how many batches to average)")
+        _check_int("max_batches", max_batches, minimum=1)
+        _check_int("batch_size", batch_size, minimum=1)
+        generator = torch.Generator().manual_seed(EVAL_SEED)
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        try:
+            losses = []
+            for _ in range(max_batches):
+                inputs, targets = _draw(batches, data, batch_size, n_c, generator)
+                _, loss = model(*(t.to(device) for t in inputs), targets.to(device))
+                losses.append(loss.item())
+        finally:
+            model.train(was_training)
+        return sum(losses) / len(losses)
     data = _check_data("data", data, n_c)
     _check_int("batch_size", batch_size, minimum=1)
     starts = torch.arange(0, len(data) - n_c, n_c)
@@ -373,7 +412,7 @@ def _progress_bar(config: TrainConfig, start: int):
 
 
 def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra: dict | None = None,
-          callback=None) -> History:
+          callback=None, batches=None) -> History:
     """Train ``model`` on ``train_data`` (1-D token ids), evaluating on ``val_data``; return the :class:`History`.
 
     One step: draw ``batch_size`` random windows, compute the mean next-token loss, backpropagate, clip the
@@ -385,6 +424,12 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
     ``extra`` (plain data, e.g. where the training text came from) is stored in every checkpoint.
     ``callback(step, model)``, if given, is called after every evaluation (e.g. to sample text); it must leave
     the global random state alone (use a ``torch.Generator`` of its own) for runs to stay reproducible.
+
+    ``batches`` replaces next-token windows for models trained on another objective (chapters 9 and 10):
+    ``batches(data, batch_size, context_length, generator) -> (inputs, targets)`` draws one batch using only
+    ``generator`` for its randomness (so runs stay resumable), and each step minimises the loss of
+    ``model(*inputs, targets)``. ``train_data`` and ``val_data`` are then whatever that function reads, and the
+    evaluations average ``config.eval_batches`` fixed held-out batches (see :func:`evaluate`).
     """
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be one of the book's models (GPT, ...), got {type(model).__name__}")
@@ -393,8 +438,14 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
     n_c = config.context_length or model.config.context_length
     if n_c > model.config.context_length:
         raise ValueError(f"context_length {n_c} exceeds the model's context_length {model.config.context_length}")
-    train_data = _check_data("train_data", train_data, n_c)
-    val_data = _check_data("val_data", val_data, n_c)
+    if batches is None:
+        train_data = _check_data("train_data", train_data, n_c)
+        val_data = _check_data("val_data", val_data, n_c)
+    elif not callable(batches):
+        raise TypeError(f"batches must be a function (data, batch_size, context_length, generator) -> (inputs, "
+                        f"targets), got {type(batches).__name__}")
+    elif not config.eval_batches:
+        raise ValueError("a run with batches= evaluates on config.eval_batches fixed batches: give eval_batches (a number, not None)")
     device = torch.device(config.device) if config.device else default_device()
     model.to(device)
     optimizer = _make_optimizer(model, config, device)
@@ -445,9 +496,12 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
                     progress = (spent - warm_seconds) / max(config.time_budget - warm_seconds, 1e-9)
                     for group in optimizer.param_groups:
                         group["lr"] = lr_at(step, config, progress=progress)
-            x, y = get_batch(train_data, config.batch_size, n_c, generator=generator)
-            x, y = x.to(device), y.to(device)
-            _, loss = model(x, y)
+            if batches is None:
+                inputs, y = get_batch(train_data, config.batch_size, n_c, generator=generator)
+                inputs = (inputs,)
+            else:
+                inputs, y = _draw(batches, train_data, config.batch_size, n_c, generator)
+            _, loss = model(*(t.to(device) for t in inputs), y.to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             clip = config.grad_clip if config.grad_clip is not None else math.inf
@@ -467,7 +521,7 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
                 seconds += now - tick
                 rate = (done - tick_step) * tokens_per_step / max(now - tick, 1e-9)
                 val = evaluate(model, val_data, batch_size=config.batch_size, context_length=n_c,
-                               max_batches=config.eval_batches)
+                               max_batches=config.eval_batches, batches=batches)
                 model.train()
                 history.eval_step.append(done)
                 history.val_loss.append(val)
