@@ -41,9 +41,12 @@ lint: setup
 unit: setup
 	$(PY) -m pytest tests --ignore=tests/book -q
 
+# Two lanes of notebooks at a time, one per core (see tools/nbval_lanes.py); NBVAL_LANES=1: one after another.
+NBVAL_LANES ?= 2
+
 notebooks: data
-	$(PY) -m pytest --nbval --nbval-current-env --nbval-sanitize-with sanitize.cfg \
-		--nbval-cell-timeout=$(NBVAL_TIMEOUT) --durations=15 -p no:cacheprovider notebooks
+	$(PY) tools/nbval_lanes.py --lanes $(NBVAL_LANES) -- --nbval --nbval-current-env \
+		--nbval-sanitize-with sanitize.cfg --nbval-cell-timeout=$(NBVAL_TIMEOUT) --durations=15 -p no:cacheprovider
 
 book-check: book
 	$(PY) -m pytest tests/book -q -rs

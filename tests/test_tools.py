@@ -218,3 +218,28 @@ def test_the_built_book_is_swapped_in_atomically(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         build_book.swap_into_place(missing, html)
     assert (html / "index.html").read_text() == "new", "the previous book is put back"
+
+
+import nbval_lanes  # noqa: E402
+
+
+def test_nbval_lanes_keep_the_chapter7_models_notebooks_together_and_in_order(tmp_path):
+    for name, text in [("01_a.ipynb", "{}"), ("07_b.ipynb", "chapter7_model"), ("08_c.ipynb", "x chapter7_model()"),
+                       ("10_d.ipynb", "{}")]:
+        (tmp_path / name).write_text(text)
+    first, rest = nbval_lanes.lanes(sorted(tmp_path.glob("*.ipynb")))
+    assert [p.name for p in first] == ["07_b.ipynb", "08_c.ipynb"]
+    assert [p.name for p in rest] == ["01_a.ipynb", "10_d.ipynb"]
+    real_first, real_rest = nbval_lanes.lanes(sorted((ROOT / "notebooks").glob("*.ipynb")))
+    assert "07_training.ipynb" in [p.name for p in real_first] and real_rest
+
+
+def test_nbval_lanes_report_the_first_failing_lane(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
+    (tmp_path / "07_a.ipynb").write_text("chapter7_model")
+    (tmp_path / "01_b.ipynb").write_text("{}")
+    # pytest on a file that is not a test module and a missing option: both lanes fail, the status says so
+    status = nbval_lanes.main(["--", "--no-such-option"])
+    out = capsys.readouterr().out
+    assert status != 0
+    assert "lane 1: 07_a.ipynb" in out and "lane 2: 01_b.ipynb" in out and "lane 1: exit" in out

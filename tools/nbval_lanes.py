@@ -1,0 +1,73 @@
+"""Run the notebooks under nbval in two lanes at once, so that both cores of a small machine stay busy.
+
+    python tools/nbval_lanes.py [--lanes 1|2] -- PYTEST-ARGS...
+
+Lane 1 holds the notebooks that train or load the chapter 7 model (their source mentions ``chapter7_model``):
+chapter 7 trains and caches it, later chapters load the cache, so they must run one after another, in order,
+and they run their long cells on one thread. Lane 2 holds every other notebook. Each lane is one pytest process
+(``python -m pytest PYTEST-ARGS... NOTEBOOKS``); its output goes to a file and is printed in full when the lane
+ends, so the two logs never interleave. The exit status is the first non-zero status of the lanes (0 when both
+pass). ``--lanes 1`` runs all notebooks in a single pytest process with its output streamed as usual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+MARKER = "chapter7_model"
+
+
+def lanes(notebooks: list[Path]) -> tuple[list[Path], list[Path]]:
+    """(the chapter 7 model's notebooks, the others), each in name order."""
+    first = [p for p in notebooks if MARKER in p.read_text(encoding="utf-8")]
+    return first, [p for p in notebooks if p not in first]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lanes", type=int, choices=(1, 2), default=2)
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: arguments for pytest")
+    args = parser.parse_args(argv)
+    pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    notebooks = sorted(NOTEBOOKS.glob("*.ipynb"))
+    if not notebooks:
+        print(f"no notebooks in {NOTEBOOKS}", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", "pytest", *pytest_args]
+    groups = [g for g in lanes(notebooks) if g] if args.lanes == 2 else [notebooks]
+    if len(groups) == 1:
+        return subprocess.call([*command, *map(str, groups[0])], cwd=ROOT)
+    with tempfile.TemporaryDirectory(prefix="nbval-lanes-") as tmp:
+        runs = []
+        for i, group in enumerate(groups, 1):
+            log = Path(tmp, f"lane{i}.log").open("w+", encoding="utf-8")
+            print(f"lane {i}: {' '.join(p.name for p in group)}", flush=True)
+            runs.append((i, log, time.perf_counter(), subprocess.Popen([*command, *map(str, group)], cwd=ROOT,
+                                                                      stdout=log, stderr=subprocess.STDOUT)))
+        status = 0
+        try:
+            for i, log, start, process in runs:
+                code = process.wait()
+                seconds = time.perf_counter() - start
+                log.seek(0)
+                print(f"\n{'=' * 30} lane {i}: exit {code} after {seconds:.0f} s {'=' * 30}", flush=True)
+                sys.stdout.write(log.read())
+                sys.stdout.flush()
+                status = status or code
+        finally:
+            for _, log, _, process in runs:
+                if process.poll() is None:
+                    process.kill()
+                log.close()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
