@@ -100,6 +100,9 @@ def _check_generate_args(model, idx, max_new_tokens, temperature, top_k, top_p, 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "context_length") or not hasattr(config, "vocab_size"):
         raise TypeError("model must have a config with context_length and vocab_size (a groundup.models.GPT)")
+    if getattr(model, "causal", True) is False:
+        raise TypeError(f"{type(model).__name__} is not a generator: it predicts the tokens at masked positions from "
+                        "both sides, not the next token (chapter 9); use a GPT")
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"idx must be a torch.Tensor of token ids of shape (batch, seq), got {type(idx).__name__}")
     if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:

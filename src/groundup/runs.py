@@ -8,11 +8,15 @@ A run folder holds what training writes and sampling reads::
 
 ``groundup train`` defaults to the book's CPU recipe (chapter 7): a 6-layer GPT with rotary positions on
 characters, AdamW with warm-up and cosine decay. ``--resume`` continues an interrupted run exactly.
+``--objective masked`` trains a masked language model (chapter 9) of the same shape instead: a bidirectional
+encoder fed BERT-masked windows (the tokenizer's characters plus one [MASK] id). It is not a generator, so
+``groundup sample`` refuses such a run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import math
 import sys
@@ -22,7 +26,8 @@ from pathlib import Path
 import torch
 
 from groundup.data import CORPORA, load_corpus, train_val_split
-from groundup.models import GPT, POSITIONALS, GPTConfig
+from groundup.masking import BERT_RATE, masked_lm_batches
+from groundup.models import GPT, POSITIONALS, GPTConfig, MaskedLM, MaskedLMConfig
 from groundup.tokenizers import CharTokenizer
 from groundup.training import CHECKPOINT_NAME, TrainConfig, load_checkpoint, train
 
@@ -64,6 +69,11 @@ def add_train_parser(sub) -> None:
                    help="run folder: checkpoint.pt, tokenizer.json, history.json")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out with its stored settings (give no model or training options)")
+    p.add_argument("--objective", choices=("next", "masked"), default=None,
+                   help="next: a GPT predicting the next token (default); masked: a masked language model "
+                        "(chapter 9) filling in BERT-masked characters")
+    p.add_argument("--mask-rate", type=float, help=f"--objective masked: fraction of positions to predict "
+                   f"(default: {BERT_RATE}; of those 80 %% [MASK], 10 %% random, 10 %% unchanged)")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--corpus", choices=sorted(CORPORA), default="shakespeare", help="a named corpus")
     source.add_argument("--text", metavar="FILE", help="train on this UTF-8 text file instead of a named corpus")
@@ -100,7 +110,14 @@ def add_train_parser(sub) -> None:
 
 _MODEL_AND_TRAINING_FLAGS = ("context", "d_model", "layers", "heads", "positional", "dropout", "batch_size",
                              "max_steps", "max_tokens", "minutes", "lr", "min_lr", "warmup", "weight_decay",
-                             "grad_clip", "eval_interval", "eval_batches", "seed")
+                             "grad_clip", "eval_interval", "eval_batches", "seed", "objective", "mask_rate")
+
+
+def _masked_batches(model, rate: float):
+    """The batches function of a masked-LM run (None for a GPT): BERT masking at ``rate``."""
+    if not isinstance(model, MaskedLM):
+        return None
+    return masked_lm_batches(model.config.mask_token_id, model.config.vocab_size, rate=rate)
 
 
 def _configs_from_args(args, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
@@ -152,6 +169,7 @@ def train_command(args) -> int:
             if now["sha256"] != source.get("sha256"):
                 raise ValueError("the training text changed since the run started; resume needs the same text")
             tokenizer = CharTokenizer.load(out / TOKENIZER_NAME)
+            mask_rate = ckpt.get("extra", {}).get("mask_rate", BERT_RATE)
             train_config = TrainConfig(**{**stored, "resume": True, "out_dir": str(out),
                                           "progress": not args.no_progress, "device": args.device})
             print(f"resuming {out} at step {ckpt['step']} of {train_config.max_steps}", flush=True)
@@ -159,21 +177,32 @@ def train_command(args) -> int:
             if (out / CHECKPOINT_NAME).exists():
                 raise ValueError(f"{out / CHECKPOINT_NAME} exists: add --resume to continue it, "
                                  "or choose another --out")
+            masked = args.objective == "masked"
+            if args.mask_rate is not None and not masked:
+                raise ValueError("--mask-rate is for masked language models: add --objective masked")
+            mask_rate = BERT_RATE if args.mask_rate is None else args.mask_rate
             text, source = _text_and_source(args)
             tokenizer = CharTokenizer.from_text(text)
-            model_config, train_config = _configs_from_args(args, tokenizer.vocab_size)
+            # a masked LM's vocabulary is the tokenizer's characters plus [MASK], the last id
+            model_config, train_config = _configs_from_args(args, tokenizer.vocab_size + masked)
             torch.manual_seed(train_config.seed)
-            model = GPT(model_config)
+            if masked:
+                masked_lm_batches(tokenizer.vocab_size, tokenizer.vocab_size + 1, rate=mask_rate)  # checks the rate
+                model = MaskedLM(MaskedLMConfig(**dataclasses.asdict(model_config)))
+            else:
+                model = GPT(model_config)
             out.mkdir(parents=True, exist_ok=True)
             tokenizer.save(out / TOKENIZER_NAME)
             n_params = sum(p.numel() for p in model.parameters())
-            print(f"training a {n_params / 1e6:.2f} M-parameter GPT on {len(text):,} characters "
+            what = "masked language model (BERT masking)" if masked else "GPT"
+            print(f"training a {n_params / 1e6:.2f} M-parameter {what} on {len(text):,} characters "
                   f"({tokenizer.vocab_size} distinct) for {train_config.max_steps} steps of "
                   f"{train_config.batch_size} x {model_config.context_length} tokens; run folder {out}", flush=True)
         ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
         train_ids, val_ids = train_val_split(ids, 0.1)
         started = time.perf_counter()
-        history = train(model, train_ids, val_ids, train_config, extra={"source": source})
+        history = train(model, train_ids, val_ids, train_config, extra={"source": source, "mask_rate": mask_rate},
+                        batches=_masked_batches(model, mask_rate))
     except KeyboardInterrupt as stop:
         print(f"\n{stop or 'interrupted'}; continue with: groundup train --out {out} --resume", file=sys.stderr)
         return 130
@@ -182,9 +211,11 @@ def train_command(args) -> int:
         return 1
     minutes = (time.perf_counter() - started) / 60
     val = history.val_loss[-1]
-    print(f"done: step {history.step[-1]}, validation loss {val:.4f} nats ({val / math.log(2):.3f} bits per "
-          f"character), {history.tokens[-1]:,} training tokens, {minutes:.1f} minutes this session; "
-          f"sample with: groundup sample {out}")
+    then = (f"sample with: groundup sample {out}" if not isinstance(model, MaskedLM) else
+            f"a masked language model (not a generator): load it with groundup.training.load_checkpoint('{out}')")
+    where = "at masked positions " if isinstance(model, MaskedLM) else ""
+    print(f"done: step {history.step[-1]}, validation loss {where}{val:.4f} nats ({val / math.log(2):.3f} bits per "
+          f"character), {history.tokens[-1]:,} training tokens, {minutes:.1f} minutes this session; {then}")
     return 0
 
 
@@ -216,6 +247,10 @@ def sample_command(args) -> int:
                                     f"'groundup train --out {folder}'")
         device = torch.device(args.device) if args.device else default_device()
         model, _ = load_checkpoint(folder / CHECKPOINT_NAME, device=device)
+        if not getattr(model, "causal", True):
+            raise ValueError(f"{folder} holds a {type(model).__name__}, a masked language model: it is not a "
+                             "generator (it fills in masked positions from both sides, chapter 9); sample from a "
+                             "run trained with --objective next")
         tokenizer = CharTokenizer.load(folder / TOKENIZER_NAME)
         if tokenizer.vocab_size != model.config.vocab_size:
             raise ValueError(f"{folder / TOKENIZER_NAME} has {tokenizer.vocab_size} tokens but the model "

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from groundup.data import get_batch
-from groundup.models import GPT, GPTConfig
+from groundup.models import GPT, EncoderDecoder, EncoderDecoderConfig, GPTConfig, MaskedLM, MaskedLMConfig
 from groundup.utils import atomic_write_bytes, default_device, threads
 
 __all__ = ["TrainConfig", "History", "train", "evaluate", "lr_at", "param_groups", "save_checkpoint",
@@ -47,7 +47,8 @@ HISTORY_NAME = "history.json"
 """The file name :func:`train` writes the loss curves to inside ``TrainConfig.out_dir`` (plain JSON)."""
 CHECKPOINT_FORMAT = "groundup-checkpoint"
 CHECKPOINT_VERSION = 1
-MODEL_CLASSES = {"GPT": (GPT, GPTConfig)}
+MODEL_CLASSES = {"GPT": (GPT, GPTConfig), "MaskedLM": (MaskedLM, MaskedLMConfig),
+                 "EncoderDecoder": (EncoderDecoder, EncoderDecoderConfig)}
 
 
 @dataclass
@@ -445,7 +446,8 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
         raise TypeError(f"batches must be a function (data, batch_size, context_length, generator) -> (inputs, "
                         f"targets), got {type(batches).__name__}")
     elif not config.eval_batches:
-        raise ValueError("a run with batches= evaluates on config.eval_batches fixed batches: give eval_batches (a number, not None)")
+        raise ValueError("a run with batches= evaluates on config.eval_batches fixed batches: give eval_batches "
+                         "(a number, not None)")
     device = torch.device(config.device) if config.device else default_device()
     model.to(device)
     optimizer = _make_optimizer(model, config, device)

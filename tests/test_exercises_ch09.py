@@ -1,0 +1,116 @@
+"""Each chapter-9 checker accepts the reference solution (the notebook's hidden one), rejects plausible wrong
+answers, treats the unattempted stub kindly and reports a function that modifies its input."""
+
+import torch
+import torch.nn.functional as F
+
+from groundup.exercises.ch09 import check_apply_masking, check_masked_accuracy, check_masked_loss
+
+# --- reference solutions (the same code as the notebook's hidden solution cells) ---------------------------
+
+
+def masked_loss(logits, targets):
+    selected = targets != -100
+    log_probs = logits[selected].log_softmax(dim=-1)
+    return -log_probs.gather(-1, targets[selected][:, None]).mean().item()
+
+
+def apply_masking(ids, plan, mask_id, random_ids):
+    inputs = torch.where(plan == 1, mask_id, torch.where(plan == 2, random_ids, ids))
+    targets = torch.where(plan == 0, -100, ids)
+    return inputs, targets
+
+
+def masked_accuracy(logits, targets):
+    selected = targets != -100
+    return (logits.argmax(dim=-1)[selected] == targets[selected]).float().mean().item()
+
+
+def stub(*args):
+    raise NotImplementedError
+
+
+# --- wrong answers --------------------------------------------------------------------------------------------
+
+
+def loss_over_every_position(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.clamp(min=0).flatten()).item()
+
+
+def loss_divided_by_all_positions(logits, targets):
+    selected = targets != -100
+    picked = -logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    return ((picked * selected).sum() / targets.numel()).item()
+
+
+def loss_sum(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+
+
+def loss_in_place(logits, targets):
+    targets[targets == -100] = 0
+    return masked_loss(logits, targets)
+
+
+def masking_targets_are_inputs(ids, plan, mask_id, random_ids):
+    inputs, _ = apply_masking(ids, plan, mask_id, random_ids)
+    return inputs, torch.where(plan == 0, -100, inputs)
+
+
+def masking_targets_everywhere(ids, plan, mask_id, random_ids):
+    return apply_masking(ids, plan, mask_id, random_ids)[0], ids.clone()
+
+
+def masking_random_ignored(ids, plan, mask_id, random_ids):
+    return torch.where(plan == 1, mask_id, ids), torch.where(plan == 0, -100, ids)
+
+
+def masking_single_tensor(ids, plan, mask_id, random_ids):
+    return apply_masking(ids, plan, mask_id, random_ids)[0]
+
+
+def accuracy_every_position(logits, targets):
+    return (logits.argmax(-1) == targets).double().mean().item()
+
+
+def accuracy_percent(logits, targets):
+    return 100 * masked_accuracy(logits, targets)
+
+
+# --- the tests ------------------------------------------------------------------------------------------------
+
+
+def test_reference_solutions_pass():
+    assert check_masked_loss(masked_loss)
+    assert check_apply_masking(apply_masking)
+    assert check_masked_accuracy(masked_accuracy)
+    assert check_masked_loss(lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), ignore_index=-100))
+
+
+def test_the_stub_is_not_attempted_yet(capsys):
+    for check in (check_masked_loss, check_apply_masking, check_masked_accuracy):
+        assert not check(stub)
+        assert "not attempted yet" in capsys.readouterr().out
+
+
+def test_wrong_losses_fail_with_the_right_hint(capsys):
+    for wrong, hint in [(loss_over_every_position, "averaged over every position"),
+                        (loss_divided_by_all_positions, "divided by the number of all positions"),
+                        (loss_sum, "take the mean"), (loss_in_place, "in place")]:
+        assert not check_masked_loss(wrong)
+        assert hint in capsys.readouterr().out, wrong.__name__
+
+
+def test_wrong_maskings_fail_with_the_right_hint(capsys):
+    for wrong, hint in [(masking_targets_are_inputs, "original ids, not the corrupted inputs"),
+                        (masking_targets_everywhere, "must have target -100"),
+                        (masking_random_ignored, "random (plan 2"),
+                        (masking_single_tensor, "a pair (inputs, targets)")]:
+        assert not check_apply_masking(wrong)
+        assert hint in capsys.readouterr().out, wrong.__name__
+
+
+def test_wrong_accuracies_fail_with_the_right_hint(capsys):
+    for wrong, hint in [(accuracy_every_position, "counted every position"), (accuracy_percent, "not a percentage")]:
+        assert not check_masked_accuracy(wrong)
+        assert hint in capsys.readouterr().out, wrong.__name__
