@@ -1,7 +1,7 @@
 """Training throughput (chapter 7): our GPT's training step against the same architecture from PyTorch's modules.
 
 At nanoGPT's CPU shape (4 layers, 4 heads, d_model 128, context 64, batch 12, vocabulary 65, learned
-positions, no dropout) and at the book's CPU recipe (6 layers, 6 heads, d_model 192, context 128, batch 8,
+positions, no dropout) and at the book's CPU recipe (4 layers, 6 heads, d_model 192, context 128, batch 8,
 rotary positions), one training step is what :func:`groundup.training.train` does: forward, loss, backward,
 gradient clipping, fused AdamW. The reference at nanoGPT's shape is the same model built from
 ``nn.TransformerEncoderLayer(norm_first=True)`` with a causal mask, a final ``nn.LayerNorm`` and a tied
@@ -24,12 +24,13 @@ from torch import nn
 from groundup.bench import Row
 from groundup.bench.matmul import matmul_peak_gflops
 from groundup.models import GPT, GPTConfig
+from groundup.runs import RECIPE_MODEL, RECIPE_TRAINING
 from groundup.training import param_groups
 
 NANOGPT_CPU = dict(vocab_size=65, context_length=64, d_model=128, n_layers=4, n_heads=4, positional="learned")
 NANOGPT_BATCH = 12
-RECIPE = dict(vocab_size=65, context_length=128, d_model=192, n_layers=6, n_heads=6, positional="rope")
-RECIPE_BATCH = 8
+RECIPE = dict(vocab_size=65, **{k: v for k, v in RECIPE_MODEL.items() if k != "dropout"})
+RECIPE_BATCH = RECIPE_TRAINING["batch_size"]
 
 
 class TorchModulesGPT(nn.Module):
