@@ -413,7 +413,7 @@ def _progress_bar(config: TrainConfig, start: int):
 
 
 def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra: dict | None = None,
-          callback=None, batches=None) -> History:
+          callback=None, batches=None, accumulate: int = 1, distributed: bool = False) -> History:
     """Train ``model`` on ``train_data`` (1-D token ids), evaluating on ``val_data``; return the :class:`History`.
 
     One step: draw ``batch_size`` random windows, compute the mean next-token loss, backpropagate, clip the
@@ -431,6 +431,20 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
     ``generator`` for its randomness (so runs stay resumable), and each step minimises the loss of
     ``model(*inputs, targets)``. ``train_data`` and ``val_data`` are then whatever that function reads, and the
     evaluations average ``config.eval_batches`` fixed held-out batches (see :func:`evaluate`).
+
+    ``accumulate`` and ``distributed`` split each step's batch of ``config.batch_size`` rows without changing
+    what is computed (chapter 11). Every process draws the same whole batch from the same generator; with
+    ``distributed=True`` (a ``torch.distributed`` process group must be initialised, e.g. by ``torchrun``) process
+    ``r`` of ``p`` keeps rows ``r B/p ... (r+1) B/p - 1``, runs the model wrapped in ``DistributedDataParallel``
+    (which averages the gradients over the processes during ``backward``), and only process 0 writes checkpoints,
+    the history, the progress bar and calls ``callback``. ``accumulate=a`` cuts each process's rows into ``a``
+    micro-batches whose gradients are summed (each loss divided by ``a``) before one update: gradient accumulation,
+    the single-process twin. Both give the gradient of the mean loss over the whole batch when every micro-batch
+    has the same number of predicted tokens (true for next-token windows), so the parameters equal a
+    one-process run's up to float rounding; the recorded loss is the whole batch's mean. The batch sampler's
+    state does not depend on ``p`` or ``a``, so a run can resume with a different number of processes. All
+    processes share one global random stream (dropout), and a time budget is refused (processes would disagree
+    about when time is up).
     """
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be one of the book's models (GPT, ...), got {type(model).__name__}")
@@ -448,6 +462,7 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
     elif not config.eval_batches:
         raise ValueError("a run with batches= evaluates on config.eval_batches fixed batches: give eval_batches "
                          "(a number, not None)")
+    rank, world = _split_check(config, accumulate, distributed)
     device = torch.device(config.device) if config.device else default_device()
     model.to(device)
     optimizer = _make_optimizer(model, config, device)
@@ -474,7 +489,7 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
         generator.set_state(ckpt["sampler_rng"])
 
     def checkpoint(step: int) -> None:
-        if out is None:
+        if out is None or rank != 0:
             return
         save_checkpoint(ckpt_path, model, optimizer=optimizer, scheduler=scheduler, step=step, train_config=config,
                         history=history, generator=generator, extra=extra)
@@ -483,8 +498,9 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
     tokens_per_step = config.batch_size * n_c
     seconds = history.seconds[-1] if history.seconds else 0.0
     warm_seconds = None  # a time-budgeted run: when the warm-up ended
+    forward = model if not distributed else _wrap_ddp(model, device)  # DDP all-reduces gradients in backward
     model.train()
-    bar = _progress_bar(config, start)
+    bar = _progress_bar(config if rank == 0 else dataclasses.replace(config, progress=False), start)
     with _StopRequest() as stop, bar:
         tick, tick_step = time.perf_counter(), start
         for step in range(start, config.max_steps):
@@ -503,9 +519,12 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
                 inputs = (inputs,)
             else:
                 inputs, y = _draw(batches, train_data, config.batch_size, n_c, generator)
-            _, loss = model(*(t.to(device) for t in inputs), y.to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if world == 1 and accumulate == 1:
+                _, loss = model(*(t.to(device) for t in inputs), y.to(device))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            else:
+                loss = _split_step(forward, inputs, y, device, optimizer, rank, world, accumulate, stop)
             clip = config.grad_clip if config.grad_clip is not None else math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             lr = optimizer.param_groups[0]["lr"]
@@ -531,7 +550,7 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
                 history.seconds.append(seconds)
                 bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{val:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
                 checkpoint(done)
-                if callback is not None:
+                if callback is not None and rank == 0:
                     callback(done, model)
                     model.train()
                 tick, tick_step = time.perf_counter(), done
@@ -544,8 +563,78 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
                     checkpoint(done)
                 where = f"; checkpoint saved in {out}" if out else ""
                 raise KeyboardInterrupt(f"training interrupted after step {done}{where}")
+    if distributed:
+        import torch.distributed as dist
+
+        del forward
+        dist.barrier()  # when train returns on any process, process 0's last checkpoint is on disk
     model.eval()
     return history
+
+
+def _split_check(config: TrainConfig, accumulate: int, distributed: bool) -> tuple[int, int]:
+    """(rank, world size) of this process, after checking that the batch splits evenly."""
+    _check_int("accumulate", accumulate, minimum=1)
+    if not isinstance(distributed, bool):
+        raise TypeError(f"distributed must be True or False, got {distributed!r}")
+    rank, world = 0, 1
+    if distributed:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("distributed=True needs an initialised torch.distributed process group: launch with "
+                             "torchrun (python -m groundup.distributed, groundup train --nproc N)")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if config.time_budget is not None:
+            raise ValueError("a time budget (--minutes) cannot be used with several processes: their clocks would "
+                             "disagree about the schedule and the end; give a number of steps")
+    if config.batch_size % (world * accumulate):
+        raise ValueError(f"batch_size {config.batch_size} must be divisible by processes x accumulation steps = "
+                         f"{world} x {accumulate}: every micro-batch holds the same number of rows")
+    return rank, world
+
+
+def _wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" \
+        else None
+    # the book's buffers (masks, rotary tables) are constants, the same on every process: no sync at every forward
+    return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+
+
+def _split_step(forward: nn.Module, inputs: tuple, y: torch.Tensor, device, optimizer, rank: int, world: int,
+                accumulate: int, stop) -> torch.Tensor:
+    """Forward and backward of this process's rows of the whole batch, in ``accumulate`` micro-batches.
+
+    Leaves the gradient of the whole batch's mean loss in every parameter (DDP averages over processes, the
+    division by ``accumulate`` averages over micro-batches) and returns that batch's mean loss, the same number on
+    every process. A stop request (Ctrl-C) on any process is shared with the others, so all stop at the same step.
+    """
+    import contextlib
+
+    rows = y.shape[0] // world
+    micro = rows // accumulate
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(accumulate):
+        lo = rank * rows + i * micro
+        part = [t[lo:lo + micro].to(device) for t in (*inputs, y)]
+        # only the last micro-batch's backward all-reduces: DDP's no_sync keeps the others local
+        sync = world == 1 or i == accumulate - 1
+        with contextlib.nullcontext() if sync else forward.no_sync():
+            _, loss = forward(*part[:-1], part[-1])
+            (loss / accumulate).backward()
+        total += loss.detach().double().cpu() / accumulate
+    if world > 1:
+        import torch.distributed as dist
+
+        shared = torch.stack([total, torch.tensor(float(stop.requested), dtype=torch.float64)]).to(device)
+        dist.all_reduce(shared)  # the loss summed over processes, and how many were asked to stop (NCCL: on GPU)
+        shared = shared.cpu()
+        total = shared[0] / world
+        stop.requested = bool(shared[1] > 0)
+    return total.to(torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------------
