@@ -21,6 +21,7 @@ from groundup.seq2seq import (
     collate,
     cross_attention_weights,
     date_examples,
+    date_splits,
     date_tokenizers,
     encode_pairs,
     exact_match,
@@ -394,6 +395,18 @@ def test_the_dates_task_is_deterministic_varied_and_splits_cleanly():
     sources = {}
     for s, t in train_pairs + held_out + date_examples(5000, split="train", seed=2):
         assert sources.setdefault(s, t) == t, f"{s!r} would have two answers"
+
+
+def test_date_splits_are_the_chapters_three_sets():
+    train_pairs, val_pairs, test_pairs = date_splits(300, 40, 60, seed=3)
+    assert train_pairs == date_examples(300, split="train", seed=3)
+    assert test_pairs == date_examples(60, split="held_out", seed=3)
+    test_sources = {s for s, _ in test_pairs}
+    assert val_pairs == [p for p in date_examples(200, split="held_out", seed=4) if p[0] not in test_sources][:40]
+    assert len(val_pairs) == 40 and not {s for s, _ in val_pairs} & test_sources
+    assert not {t for _, t in train_pairs} & {t for _, t in val_pairs + test_pairs}
+    with pytest.raises(ValueError, match="n_val must be a positive integer"):
+        date_splits(n_val=0)
 
 
 def test_the_words_are_right():

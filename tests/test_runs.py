@@ -1,5 +1,6 @@
 """`groundup train` and `groundup sample` as a reader runs them: real processes, a SIGKILL mid-run, exact resume."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from groundup import cli
+from groundup.seq2seq import batches
 from groundup.training import CHECKPOINT_NAME, load_checkpoint
 
 SMALL = ["--layers", "1", "--d-model", "32", "--heads", "2", "--context", "32", "--batch-size", "4",
@@ -113,3 +115,129 @@ def test_train_help_explains_every_option():
                    "--weight-decay", "--grad-clip", "--eval-interval", "--seed", "--device", "--no-progress"):
         assert option in result.stdout, option
     assert "recipe: rope" in result.stdout
+
+
+# --- groundup train --task dates: chapter 10's encoder-decoder ----------------------------------------------------
+
+TINY_DATES = ["--task", "dates", "--d-model", "16", "--heads", "2", "--layers", "1", "--batch-size", "8",
+              "--max-steps", "6", "--eval-interval", "3", "--eval-batches", "1", "--warmup", "2", "--no-progress",
+              "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def dates_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dates") / "run"
+    assert cli.main(["train", "--out", str(out), *TINY_DATES]) == 0
+    return out
+
+
+def test_train_task_dates_writes_an_encoder_decoder_run_and_reports_exact_match(dates_run, capsys):
+    from groundup.models import EncoderDecoder
+
+    model, ckpt = load_checkpoint(dates_run)
+    assert type(model) is EncoderDecoder and ckpt["step"] == 6 and ckpt["extra"] == {"task": "dates"}
+    c = model.config
+    assert (c.d_model, c.d_ff, c.n_heads, c.n_encoder_layers, c.n_decoder_layers) == (16, 32, 2, 1, 1)
+    assert (c.context_length, c.positional, c.norm_position) == (16, "sinusoidal", "pre")
+    assert ckpt["train_config"]["batch_size"] == 8 and ckpt["train_config"]["eval_batches"] == 1
+    for name in ("history.json", "source_tokenizer.json", "target_tokenizer.json"):
+        assert (dates_run / name).is_file(), name
+    assert ckpt["history"]["eval_step"] == [3, 6]
+
+
+def test_train_task_dates_prints_held_out_exact_match_and_defaults_to_the_chapter(tmp_path, capsys, monkeypatch):
+    from groundup import runs
+
+    seen, real_train = {}, runs.train
+
+    def fake_train(model, train_data, val_data, config, **kw):  # one step: check what would be trained
+        seen.update(model=model, train=train_data, val=val_data, config=config, batches=kw["batches"])
+        return real_train(model, train_data, val_data, dataclasses.replace(config, max_steps=1, warmup_steps=0,
+                                                                          eval_interval=1, out_dir=None), **kw)
+
+    monkeypatch.setattr(runs, "train", fake_train)
+    assert cli.main(["train", "--task", "dates", "--out", str(tmp_path / "r"), "--no-progress", "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out exact match" in printed and "of 1,000 test dates (greedy decoding)" in printed
+    c, t = seen["model"].config, seen["config"]
+    assert (c.d_model, c.d_ff, c.n_heads, c.n_encoder_layers, c.n_decoder_layers, c.context_length) == \
+        (64, 128, 4, 2, 2, 16), "the chapter's model"
+    assert (t.batch_size, t.max_steps, t.learning_rate, t.warmup_steps, t.weight_decay, t.eval_interval,
+            t.eval_batches, t.grad_clip, t.seed) == (64, 400, 3e-3, 50, 0.01, 50, 4, 1.0, 0), "the chapter's training"
+    assert len(seen["train"]) == 20_000 and len(seen["val"]) == 500 and seen["batches"] is batches
+
+
+def test_an_interrupted_dates_run_resumes_exactly(dates_run, tmp_path, capsys, monkeypatch):
+    from groundup import runs
+
+    real_train = runs.train
+
+    def stopped_at_3(*args, **kwargs):
+        def callback(step, model):
+            if step == 3:
+                raise KeyboardInterrupt("training interrupted after step 3")
+        return real_train(*args, callback=callback, **kwargs)
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(runs, "train", stopped_at_3)
+    assert cli.main(["train", "--out", str(out), *TINY_DATES]) == 130
+    assert "--resume" in capsys.readouterr().err and load_checkpoint(out)[1]["step"] == 3
+    monkeypatch.setattr(runs, "train", real_train)
+    assert cli.main(["train", "--out", str(out), "--resume", "--no-progress", "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "resuming" in printed and "held-out exact match" in printed
+    a, ckpt_a = load_checkpoint(dates_run)
+    b, ckpt_b = load_checkpoint(out)
+    assert ckpt_b["step"] == 6
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), f"{name} differs between the uninterrupted and the resumed run"
+    assert ckpt_a["history"]["train_loss"] == ckpt_b["history"]["train_loss"]
+
+
+def test_sample_translates_a_date_with_a_dates_run(dates_run, capsys):
+    from groundup.seq2seq import date_tokenizers, greedy_decode
+
+    prompt = "Friday, the thirteenth of October, two thousand and twenty-three"
+    assert cli.main(["sample", str(dates_run), "--prompt", prompt]) == 0
+    model, _ = load_checkpoint(dates_run)
+    src_tok, tgt_tok = date_tokenizers()
+    expected = tgt_tok.decode(greedy_decode(model, torch.tensor([src_tok.encode(prompt)]))[0])
+    assert capsys.readouterr().out == expected + "\n"
+    assert cli.main(["sample", str(dates_run), "--prompt", prompt, "--greedy"]) == 0  # greedy anyway
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--top-k", "3"], "--top-k does not apply"),
+    (["--temperature", "0.5", "--tokens", "9"], "--tokens and --temperature do not apply"),
+    ([], "give the date in words to translate"),
+    (["--prompt", "July 4th"], "the dates task knows only these words"),
+])
+def test_sample_with_a_dates_run_refuses_what_does_not_apply(dates_run, capsys, extra, message):
+    assert cli.main(["sample", str(dates_run), *extra]) == 1
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--objective", "masked", "--max-steps", "1"], "--objective does not apply"),
+    (["--mask-rate", "0.2", "--max-tokens", "100"], "--mask-rate and --max-tokens do not apply"),
+    (["--positional", "rope", "--max-steps", "1"], "--positional rope is not available with --task dates"),
+    (["--context", "8", "--max-steps", "1"], "--context 8 is too short for --task dates"),
+    (["--eval-batches", "0", "--max-steps", "1"], "give --eval-batches 1 or more"),
+])
+def test_train_task_dates_refuses_incompatible_options(tmp_path, capsys, extra, message):
+    assert cli.main(["train", "--task", "dates", "--out", str(tmp_path / "r"), *extra]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "r" / CHECKPOINT_NAME).exists()
+
+
+def test_task_dates_and_a_text_are_mutually_exclusive(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["train", "--task", "dates", "--text", str(tmp_path / "t.txt"), "--out", str(tmp_path / "r")])
+    assert stop.value.code == 2 and "not allowed with argument --task" in capsys.readouterr().err
+
+
+def test_help_explains_the_dates_task():
+    train_help = " ".join(groundup("train", "--help").stdout.split())  # argparse wraps lines anywhere
+    assert "--task {dates}" in train_help and "EncoderDecoder" in train_help and "exact-match" in train_help
+    sample_help = " ".join(groundup("sample", "--help").stdout.split())
+    assert "translates --prompt" in sample_help and "(default: 500)" in sample_help and "None" not in sample_help

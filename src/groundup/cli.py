@@ -3,7 +3,8 @@
     groundup data [shakespeare|tinyshakespeare]   download, verify and cache a corpus; print its size
     groundup bench [section ...]                  print the performance figures
     groundup train --out run/ [options]           train a character-level GPT (chapter 7's CPU recipe)
-    groundup sample run/ --prompt "ROMEO:"        generate text from a trained run (chapter 8)
+    groundup train --task dates --out run/        train chapter 10's encoder-decoder: dates in words to ISO 8601
+    groundup sample run/ --prompt "ROMEO:"        generate text from a trained run (chapter 8), or translate a date
     groundup --version                            print the package's version
 
 ``python -m groundup`` is the same command. Output piped into a program that stops reading early (``| head``)
@@ -57,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(argv) -> int:
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # groundup train --nproc N passes them to torchrun
     if args.command in ("train", "sample"):
         return args.handler(args)
 

@@ -5,12 +5,16 @@ A run folder holds what training writes and sampling reads::
     run/checkpoint.pt    model, optimizer, schedule, random states, step, configs, history (see groundup.training)
     run/history.json     the loss curves as plain JSON, for plotting
     run/tokenizer.json   the character tokenizer the model's ids belong to
+                         (a --task dates run: source_tokenizer.json and target_tokenizer.json instead)
 
 ``groundup train`` defaults to the book's CPU recipe (chapter 7): a 4-layer GPT with rotary positions on
 characters, AdamW with warm-up and cosine decay. ``--resume`` continues an interrupted run exactly.
 ``--objective masked`` trains a masked language model (chapter 9) of the same shape instead: a bidirectional
 encoder fed BERT-masked windows (the tokenizer's characters plus one [MASK] id). It is not a generator, so
 ``groundup sample`` refuses such a run.
+``--task dates`` trains chapter 10's encoder-decoder on the package's dates task (dates in words to ISO 8601, the
+data of :func:`groundup.seq2seq.date_splits`) instead of a language model on a text, and prints its held-out
+exact-match accuracy at the end; ``groundup sample`` translates a ``--prompt`` with such a run (greedy decoding).
 """
 
 from __future__ import annotations
@@ -27,17 +31,45 @@ import torch
 
 from groundup.data import CORPORA, load_corpus, train_val_split
 from groundup.masking import BERT_RATE, masked_lm_batches
-from groundup.models import GPT, POSITIONALS, GPTConfig, MaskedLM, MaskedLMConfig
+from groundup.models import (
+    ENCODER_DECODER_POSITIONALS,
+    GPT,
+    POSITIONALS,
+    EncoderDecoder,
+    EncoderDecoderConfig,
+    GPTConfig,
+    MaskedLM,
+    MaskedLMConfig,
+)
+from groundup.seq2seq import (
+    SPECIALS,
+    Seq2SeqTokenizer,
+    collate,
+    date_splits,
+    date_tokenizers,
+    encode_pairs,
+    exact_match,
+    greedy_decode,
+)
+from groundup.seq2seq import batches as seq2seq_batches
 from groundup.tokenizers import CharTokenizer
 from groundup.training import CHECKPOINT_NAME, TrainConfig, load_checkpoint, train
 
 TOKENIZER_NAME = "tokenizer.json"
+SOURCE_TOKENIZER_NAME, TARGET_TOKENIZER_NAME = "source_tokenizer.json", "target_tokenizer.json"
 
 # The CPU recipe (chapter 7 shows the search that chose it, tools/recipe_trial.py ran it): 7500 steps are about
 # ten minutes of training on a 2-core laptop CPU; --max-tokens and --minutes give other budgets.
 RECIPE_MODEL = dict(context_length=128, d_model=192, n_layers=4, n_heads=6, positional="rope", dropout=0.0)
 RECIPE_TRAINING = dict(batch_size=8, max_steps=7500, learning_rate=2e-3, warmup_steps=50, weight_decay=0.1,
                        grad_clip=1.0, eval_interval=250, eval_batches=20)
+
+# --task dates: chapter 10's encoder-decoder and its training, seed 0 of the chapter (n_layers blocks in the encoder
+# and as many in the decoder; d_FFN = 2 d_M; Pre-LN; tied target embedding). About 20 s on one CPU thread.
+DATES_MODEL = dict(context_length=16, d_model=64, n_layers=2, n_heads=4, positional="sinusoidal", dropout=0.0)
+DATES_TRAINING = dict(batch_size=64, max_steps=400, learning_rate=3e-3, warmup_steps=50, weight_decay=0.01,
+                      grad_clip=1.0, eval_interval=50, eval_batches=4)
+DATES_EXAMPLE = "the first of may, nineteen ninety"
 
 
 def _text_and_source(args) -> tuple[str, dict]:
@@ -78,7 +110,15 @@ def add_train_parser(sub) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--corpus", choices=sorted(CORPORA), default="shakespeare", help="a named corpus")
     source.add_argument("--text", metavar="FILE", help="train on this UTF-8 text file instead of a named corpus")
-    m = p.add_argument_group("model (a GPTConfig)")
+    dates_defaults = ", ".join(f"{k} {v}" for k, v in {**DATES_MODEL, **DATES_TRAINING}.items())
+    source.add_argument(
+        "--task", choices=("dates",),
+        help=f"dates: instead of a language model on a text, train chapter 10's encoder-decoder (EncoderDecoder) to "
+             f"translate dates in words to ISO 8601 (\"{DATES_EXAMPLE}\" -> 1990-05-01) on the package's generated "
+             f"data, and print its held-out exact-match accuracy (greedy decoding) at the end; then 'groundup sample "
+             f"DIR --prompt ...' translates. --layers sets the encoder's and the decoder's blocks each; --objective, "
+             f"--mask-rate and --max-tokens do not apply. Defaults: the chapter's run, {dates_defaults}")
+    m = p.add_argument_group("model (a GPTConfig; with --task dates an EncoderDecoderConfig)")
     m.add_argument("--context", type=int, help="context length n_C" + _recipe("context_length"))
     m.add_argument("--d-model", type=int, help="embedding size d_M" + _recipe("d_model"))
     m.add_argument("--layers", type=int, help="number of blocks n_L" + _recipe("n_layers"))
@@ -106,12 +146,17 @@ def add_train_parser(sub) -> None:
     t.add_argument("--device", help="cpu, cuda, ... (default: cuda when available, else cpu)")
     t.add_argument("--threads", type=int, help="CPU threads PyTorch may use (default: PyTorch's choice)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--nproc", type=int, help="train data-parallel in this many processes, started with torchrun "
+                   "(chapter 11); a run may resume with another number (default: 1)")
+    t.add_argument("--accumulate", type=int, help="cut each process's share of the batch into this many "
+                   "micro-batches whose gradients add up before each update (default: 1)")
     p.set_defaults(handler=train_command)
 
 
 _MODEL_AND_TRAINING_FLAGS = ("context", "d_model", "layers", "heads", "positional", "dropout", "batch_size",
                              "max_steps", "max_tokens", "minutes", "lr", "min_lr", "warmup", "weight_decay",
-                             "grad_clip", "eval_interval", "eval_batches", "seed", "objective", "mask_rate")
+                             "grad_clip", "eval_interval", "eval_batches", "seed", "objective", "mask_rate",
+                             "task")
 
 
 def _masked_batches(model, rate: float):
@@ -121,16 +166,30 @@ def _masked_batches(model, rate: float):
     return masked_lm_batches(model.config.mask_token_id, model.config.vocab_size, rate=rate)
 
 
-def _configs_from_args(args, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
-    """The recipe, with every option the user gave in its place."""
+def _configs_from_args(args, vocab_size: int | None = None, *, vocab_sizes: tuple[int, int] | None = None
+                       ) -> tuple[GPTConfig | EncoderDecoderConfig, TrainConfig]:
+    """The recipe, with every option the user gave in its place: a GPT's for ``vocab_size``, or with
+    ``vocab_sizes`` (source, target) the ``--task dates`` encoder-decoder's."""
+    dates = vocab_sizes is not None
+    recipe = {**DATES_MODEL, **DATES_TRAINING} if dates else {**RECIPE_MODEL, **RECIPE_TRAINING}
+
     def pick(flag: str, key: str):
         value = getattr(args, flag)
-        return {**RECIPE_MODEL, **RECIPE_TRAINING}[key] if value is None else value
+        return recipe[key] if value is None else value
 
-    model_config = GPTConfig(vocab_size=vocab_size, context_length=pick("context", "context_length"),
-                             d_model=pick("d_model", "d_model"), n_layers=pick("layers", "n_layers"),
-                             n_heads=pick("heads", "n_heads"), positional=pick("positional", "positional"),
-                             dropout=pick("dropout", "dropout"))
+    if dates:
+        layers = pick("layers", "n_layers")
+        model_config = EncoderDecoderConfig(
+            src_vocab_size=vocab_sizes[0], tgt_vocab_size=vocab_sizes[1],
+            context_length=pick("context", "context_length"),
+            d_model=pick("d_model", "d_model"), d_ff=2 * pick("d_model", "d_model"), n_encoder_layers=layers,
+            n_decoder_layers=layers, n_heads=pick("heads", "n_heads"), positional=pick("positional", "positional"),
+            dropout=pick("dropout", "dropout"), norm_position="pre")
+    else:
+        model_config = GPTConfig(vocab_size=vocab_size, context_length=pick("context", "context_length"),
+                                 d_model=pick("d_model", "d_model"), n_layers=pick("layers", "n_layers"),
+                                 n_heads=pick("heads", "n_heads"), positional=pick("positional", "positional"),
+                                 dropout=pick("dropout", "dropout"))
     batch_size = pick("batch_size", "batch_size")
     max_steps = pick("max_steps", "max_steps")
     if args.minutes is not None:
@@ -150,27 +209,90 @@ def _configs_from_args(args, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
     return model_config, train_config
 
 
+def _dates_data():
+    """The dates task's tokenizers and data: ``(src_tok, tgt_tok, train_data, val_data, test_pairs)``."""
+    src_tok, tgt_tok = date_tokenizers()
+    train_pairs, val_pairs, test_pairs = date_splits()
+    return src_tok, tgt_tok, encode_pairs(train_pairs, src_tok, tgt_tok), encode_pairs(val_pairs, src_tok, tgt_tok), \
+        test_pairs
+
+
+def _load_dates_tokenizers(folder: Path, model: EncoderDecoder) -> tuple[Seq2SeqTokenizer, Seq2SeqTokenizer]:
+    """A dates run's (source, target) tokenizers, checked against its model."""
+    pair = []
+    for name, size in ((SOURCE_TOKENIZER_NAME, model.config.src_vocab_size),
+                       (TARGET_TOKENIZER_NAME, model.config.tgt_vocab_size)):
+        tokenizer = Seq2SeqTokenizer.load(folder / name)
+        if tokenizer.vocab_size != size:
+            raise ValueError(f"{folder / name} has {tokenizer.vocab_size} tokens but the model {size}: the folder "
+                             "mixes two runs")
+        pair.append(tokenizer)
+    return pair[0], pair[1]
+
+
+def _check_dates_options(args) -> None:
+    """Options that make no sense with --task dates: a clear error naming them."""
+    given = [flag for flag, value in (("--objective", args.objective), ("--mask-rate", args.mask_rate),
+                                      ("--max-tokens", args.max_tokens)) if value is not None]
+    if given:
+        raise ValueError(f"--task dates trains an encoder-decoder on generated dates: {' and '.join(given)} "
+                         f"{'does' if len(given) == 1 else 'do'} not apply (--objective and --mask-rate are for "
+                         "language models on a text; give --max-steps or --minutes for the length of the run)")
+    if args.positional is not None and args.positional not in ENCODER_DECODER_POSITIONALS:
+        raise ValueError(f"--positional {args.positional} is not available with --task dates: the encoder-decoder "
+                         f"adds absolute positions, one of {', '.join(ENCODER_DECODER_POSITIONALS)}")
+    if args.eval_batches == 0:
+        raise ValueError("--task dates evaluates on a fixed number of validation batches: give --eval-batches "
+                         "1 or more (0, the whole validation set, is for text runs)")
+
+
+def _held_out_exact_match(model: EncoderDecoder, src_tok, tgt_tok, test_pairs) -> float:
+    """Greedy decoding of every test source; the fraction written exactly right."""
+    device = next(model.parameters()).device
+    src = collate([src_tok.encode(s) for s, _ in test_pairs]).to(device)
+    predictions = [tgt_tok.decode(p) for p in greedy_decode(model, src)]
+    return exact_match(predictions, [t for _, t in test_pairs])
+
+
 def train_command(args) -> int:
     out = Path(args.out).expanduser()
     args.out = str(out)
     if args.threads:
         torch.set_num_threads(args.threads)
+    launched = _launch_if_parallel(args)  # --nproc N: run this command in N processes (chapter 11)
+    if launched is not None:
+        return launched
+    batches, test_pairs = None, None
     try:
         if args.resume:
             given = [f"--{k.replace('_', '-')}" for k in _MODEL_AND_TRAINING_FLAGS if getattr(args, k) is not None]
             if given:
                 raise ValueError(f"--resume continues with the stored settings; do not give {', '.join(given)}")
             model, ckpt = load_checkpoint(out / CHECKPOINT_NAME)
-            stored = ckpt.get("train_config")
-            source = ckpt.get("extra", {}).get("source", {})
-            if not isinstance(stored, dict) or not isinstance(source, dict):
+            stored, extra = ckpt.get("train_config"), ckpt.get("extra", {})
+            if not isinstance(stored, dict) or not isinstance(extra, dict):
                 raise ValueError(f"{out / CHECKPOINT_NAME} holds no training settings to resume with")
-            args.corpus, args.text = source.get("corpus", "shakespeare"), source.get("text_file")
-            text, now = _text_and_source(args)
-            if now["sha256"] != source.get("sha256"):
-                raise ValueError("the training text changed since the run started; resume needs the same text")
-            tokenizer = CharTokenizer.load(out / TOKENIZER_NAME)
-            mask_rate = ckpt.get("extra", {}).get("mask_rate", BERT_RATE)
+            if isinstance(model, EncoderDecoder):
+                if extra.get("task") != "dates":
+                    raise ValueError(f"{out / CHECKPOINT_NAME} holds an encoder-decoder that was not trained by "
+                                     "'groundup train --task dates': resume it from Python")
+                src_tok, tgt_tok, train_data, val_data, test_pairs = _dates_data()
+                if (src_tok, tgt_tok) != _load_dates_tokenizers(out, model):
+                    raise ValueError("the dates task's vocabularies changed since the run started; resume needs the "
+                                     "same package version")
+                batches = seq2seq_batches
+            else:
+                source = extra.get("source", {})
+                if not isinstance(source, dict):
+                    raise ValueError(f"{out / CHECKPOINT_NAME} holds no training settings to resume with")
+                args.corpus, args.text = source.get("corpus", "shakespeare"), source.get("text_file")
+                text, now = _text_and_source(args)
+                if now["sha256"] != source.get("sha256"):
+                    raise ValueError("the training text changed since the run started; resume needs the same text")
+                tokenizer = CharTokenizer.load(out / TOKENIZER_NAME)
+                mask_rate = extra.get("mask_rate", BERT_RATE)
+                batches = _masked_batches(model, mask_rate)
+                train_data, val_data = train_val_split(torch.tensor(tokenizer.encode(text), dtype=torch.long), 0.1)
             train_config = TrainConfig(**{**stored, "resume": True, "out_dir": str(out),
                                           "progress": not args.no_progress, "device": args.device})
             print(f"resuming {out} at step {ckpt['step']} of {train_config.max_steps}", flush=True)
@@ -178,32 +300,55 @@ def train_command(args) -> int:
             if (out / CHECKPOINT_NAME).exists():
                 raise ValueError(f"{out / CHECKPOINT_NAME} exists: add --resume to continue it, "
                                  "or choose another --out")
-            masked = args.objective == "masked"
-            if args.mask_rate is not None and not masked:
-                raise ValueError("--mask-rate is for masked language models: add --objective masked")
-            mask_rate = BERT_RATE if args.mask_rate is None else args.mask_rate
-            text, source = _text_and_source(args)
-            tokenizer = CharTokenizer.from_text(text)
-            # a masked LM's vocabulary is the tokenizer's characters plus [MASK], the last id
-            model_config, train_config = _configs_from_args(args, tokenizer.vocab_size + masked)
-            torch.manual_seed(train_config.seed)
-            if masked:
-                masked_lm_batches(tokenizer.vocab_size, tokenizer.vocab_size + 1, rate=mask_rate)  # checks the rate
-                model = MaskedLM(MaskedLMConfig(**dataclasses.asdict(model_config)))
+            if args.task == "dates":
+                _check_dates_options(args)
+                src_tok, tgt_tok, train_data, val_data, test_pairs = _dates_data()
+                model_config, train_config = _configs_from_args(args, vocab_sizes=(src_tok.vocab_size,
+                                                                                  tgt_tok.vocab_size))
+                longest = max(max(map(len, data.src + data.tgt)) for data in (train_data, val_data)) + 1
+                if model_config.context_length < longest:
+                    raise ValueError(f"--context {model_config.context_length} is too short for --task dates: its "
+                                     f"sources and decoder inputs have up to {longest} tokens")
+                torch.manual_seed(train_config.seed)
+                model = EncoderDecoder(model_config)
+                out.mkdir(parents=True, exist_ok=True)
+                src_tok.save(out / SOURCE_TOKENIZER_NAME)
+                tgt_tok.save(out / TARGET_TOKENIZER_NAME)
+                extra, batches = {"task": "dates"}, seq2seq_batches
+                n_params = sum(p.numel() for p in model.parameters())
+                print(f"training a {n_params / 1e3:.0f} k-parameter encoder-decoder on the dates task "
+                      f"({len(train_data):,} training and {len(val_data)} validation examples; {len(test_pairs):,} "
+                      f"held-out test dates) for {train_config.max_steps} steps of {train_config.batch_size} "
+                      f"examples; run folder {out}", flush=True)
             else:
-                model = GPT(model_config)
-            out.mkdir(parents=True, exist_ok=True)
-            tokenizer.save(out / TOKENIZER_NAME)
-            n_params = sum(p.numel() for p in model.parameters())
-            what = "masked language model (BERT masking)" if masked else "GPT"
-            print(f"training a {n_params / 1e6:.2f} M-parameter {what} on {len(text):,} characters "
-                  f"({tokenizer.vocab_size} distinct) for {train_config.max_steps} steps of "
-                  f"{train_config.batch_size} x {model_config.context_length} tokens; run folder {out}", flush=True)
-        ids = torch.tensor(tokenizer.encode(text), dtype=torch.long)
-        train_ids, val_ids = train_val_split(ids, 0.1)
+                masked = args.objective == "masked"
+                if args.mask_rate is not None and not masked:
+                    raise ValueError("--mask-rate is for masked language models: add --objective masked")
+                mask_rate = BERT_RATE if args.mask_rate is None else args.mask_rate
+                text, source = _text_and_source(args)
+                tokenizer = CharTokenizer.from_text(text)
+                # a masked LM's vocabulary is the tokenizer's characters plus [MASK], the last id
+                model_config, train_config = _configs_from_args(args, tokenizer.vocab_size + masked)
+                torch.manual_seed(train_config.seed)
+                if masked:
+                    masked_lm_batches(tokenizer.vocab_size, tokenizer.vocab_size + 1, rate=mask_rate)  # checks the rate
+                    model = MaskedLM(MaskedLMConfig(**dataclasses.asdict(model_config)))
+                else:
+                    model = GPT(model_config)
+                out.mkdir(parents=True, exist_ok=True)
+                tokenizer.save(out / TOKENIZER_NAME)
+                n_params = sum(p.numel() for p in model.parameters())
+                what = "masked language model (BERT masking)" if masked else "GPT"
+                print(f"training a {n_params / 1e6:.2f} M-parameter {what} on {len(text):,} characters "
+                      f"({tokenizer.vocab_size} distinct) for {train_config.max_steps} steps of "
+                      f"{train_config.batch_size} x {model_config.context_length} tokens; run folder {out}",
+                      flush=True)
+                extra, batches = {"source": source, "mask_rate": mask_rate}, _masked_batches(model, mask_rate)
+                train_data, val_data = train_val_split(torch.tensor(tokenizer.encode(text), dtype=torch.long), 0.1)
         started = time.perf_counter()
-        history = train(model, train_ids, val_ids, train_config, extra={"source": source, "mask_rate": mask_rate},
-                        batches=_masked_batches(model, mask_rate))
+        history = train(model, train_data, val_data, train_config, extra=extra, batches=batches,
+                        **_parallel_options(args))
+        accuracy = None if test_pairs is None else _held_out_exact_match(model, src_tok, tgt_tok, test_pairs)
     except KeyboardInterrupt as stop:
         print(f"\n{stop or 'interrupted'}; continue with: groundup train --out {out} --resume", file=sys.stderr)
         return 130
@@ -212,6 +357,12 @@ def train_command(args) -> int:
         return 1
     minutes = (time.perf_counter() - started) / 60
     val = history.val_loss[-1]
+    if accuracy is not None:
+        print(f"done: step {history.step[-1]}, validation loss {val:.4f} nats per target token, "
+              f"{history.step[-1] * train_config.batch_size:,} training examples drawn, {minutes:.1f} minutes this "
+              f"session; held-out exact match {accuracy:.1%} of {len(test_pairs):,} test dates (greedy decoding); "
+              f"translate with: groundup sample {out} --prompt \"{DATES_EXAMPLE}\"")
+        return 0
     then = (f"sample with: groundup sample {out}" if not isinstance(model, MaskedLM) else
             f"a masked language model (not a generator): load it with groundup.training.load_checkpoint('{out}')")
     where = "at masked positions " if isinstance(model, MaskedLM) else ""
@@ -220,14 +371,61 @@ def train_command(args) -> int:
     return 0
 
 
+def _parallel_options(args) -> dict:
+    """train's data-parallel options (chapter 11): distributed inside torchrun's processes, --accumulate."""
+    return {"distributed": torch.distributed.is_available() and torch.distributed.is_initialized(),
+            "accumulate": getattr(args, "accumulate", None) or 1}
+
+
+def _launch_if_parallel(args) -> int | None:
+    """With ``--nproc N > 1`` outside a process group: run this command in N processes with torchrun and return
+    their exit status. Inside torchrun's processes, or with one process: None (train here)."""
+    from groundup.distributed import launch, rank_and_world
+
+    nproc = getattr(args, "nproc", None)
+    for flag, value in (("--nproc", nproc), ("--accumulate", getattr(args, "accumulate", None))):
+        if value is not None and value < 1:
+            print(f"error: {flag} must be a positive integer, got {value}", file=sys.stderr)
+            return 1
+    if _parallel_options(args)["distributed"]:
+        world = rank_and_world()[1]
+        if nproc is not None and nproc != world:
+            print(f"error: --nproc {nproc}, but torchrun started {world} processes", file=sys.stderr)
+            return 1
+        return None
+    if nproc is None or nproc == 1:
+        return None
+    argv = list(getattr(args, "argv", None) or [])
+    if "train" not in argv:
+        print("error: --nproc needs the command line it was given (run groundup train from a shell)", file=sys.stderr)
+        return 1
+    argv = argv[argv.index("train") + 1:]
+    # the processes need no --nproc (torchrun's own parser would even take it for its --nproc-per-node)
+    keep = [a for i, a in enumerate(argv) if not (a == "--nproc" or a.startswith("--nproc=")
+                                                  or (i > 0 and argv[i - 1] == "--nproc"))]
+    return launch(nproc, keep)
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except None (such an option's help says what happens without it)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def add_sample_parser(sub) -> None:
     p = sub.add_parser(
-        "sample", help="generate text from a trained run", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Generate text from the model in a run folder written by 'groundup train' (chapter 8).")
+        "sample", help="generate text from a trained run (or translate a date with a --task dates run)",
+        formatter_class=_DefaultsFormatter,
+        description="Generate text from the model in a run folder written by 'groundup train' (chapter 8). A run "
+                    "trained with --task dates (an encoder-decoder, chapter 10) instead translates --prompt, a date "
+                    "in words, to ISO 8601 with greedy decoding and prints it; the sampling options do not apply "
+                    "to it.")
     p.add_argument("run", metavar="DIR", help="a run folder (holds checkpoint.pt and tokenizer.json)")
-    p.add_argument("--prompt", default="\n", help="the text to continue")
-    p.add_argument("--tokens", type=int, default=500, help="how many new tokens (characters) to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="divide the logits by this (> 0)")
+    p.add_argument("--prompt", help="the text to continue (default: a newline); with a --task dates run, the date "
+                                    f"in words to translate, e.g. \"{DATES_EXAMPLE}\"")
+    p.add_argument("--tokens", type=int, help="how many new tokens (characters) to generate (default: 500)")
+    p.add_argument("--temperature", type=float, help="divide the logits by this, > 0 (default: 0.8)")
     p.add_argument("--top-k", type=int, help="sample only from the k most probable tokens")
     p.add_argument("--top-p", type=float, help="sample only from the smallest set of tokens with probability >= p")
     p.add_argument("--greedy", action="store_true", help="always take the most probable token (no sampling)")
@@ -235,6 +433,29 @@ def add_sample_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available, else cpu)")
     p.set_defaults(handler=sample_command)
+
+
+def _translate(folder: Path, model: EncoderDecoder, args, device) -> str:
+    """A --task dates run: ``--prompt`` (a date in words) in ISO 8601, by greedy decoding."""
+    extra = [flag for flag, value in (("--tokens", args.tokens), ("--temperature", args.temperature),
+                                      ("--top-k", args.top_k), ("--top-p", args.top_p),
+                                      ("--no-cache", args.no_cache or None)) if value is not None]
+    if extra:
+        raise ValueError(f"{folder} holds an encoder-decoder (groundup train --task dates): it translates --prompt "
+                         f"with greedy decoding, so {' and '.join(extra)} {'does' if len(extra) == 1 else 'do'} not "
+                         "apply")
+    if args.prompt is None or not args.prompt.strip():
+        raise ValueError(f"{folder} holds an encoder-decoder (groundup train --task dates): give the date in words "
+                         f"to translate, e.g. --prompt \"{DATES_EXAMPLE}\"")
+    src_tok, tgt_tok = _load_dates_tokenizers(folder, model)
+    try:
+        ids = src_tok.encode(args.prompt)
+    except ValueError as err:
+        raise ValueError(f"{err}; the dates task knows only these words: "
+                         f"{' '.join(src_tok.tokens[len(SPECIALS):])}") from None
+    if not ids:
+        raise ValueError("--prompt holds no words")
+    return tgt_tok.decode(greedy_decode(model, torch.tensor([ids], dtype=torch.long, device=device))[0])
 
 
 def sample_command(args) -> int:
@@ -248,19 +469,24 @@ def sample_command(args) -> int:
                                     f"'groundup train --out {folder}'")
         device = torch.device(args.device) if args.device else default_device()
         model, _ = load_checkpoint(folder / CHECKPOINT_NAME, device=device)
-        if not getattr(model, "causal", True):
-            raise ValueError(f"{folder} holds a {type(model).__name__}, a masked language model: it is not a "
-                             "generator (it fills in masked positions from both sides, chapter 9); sample from a "
-                             "run trained with --objective next")
-        tokenizer = CharTokenizer.load(folder / TOKENIZER_NAME)
-        if tokenizer.vocab_size != model.config.vocab_size:
-            raise ValueError(f"{folder / TOKENIZER_NAME} has {tokenizer.vocab_size} tokens but the model "
-                             f"{model.config.vocab_size}: the folder mixes two runs")
-        prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long, device=device)
-        generator = torch.Generator(device=device).manual_seed(args.seed)
-        out = generate(model, prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, greedy=args.greedy, use_cache=not args.no_cache, generator=generator)
-        text = tokenizer.decode(out[0].tolist())
+        if isinstance(model, EncoderDecoder):
+            text = _translate(folder, model, args, device)
+        else:
+            if not getattr(model, "causal", True):
+                raise ValueError(f"{folder} holds a {type(model).__name__}, a masked language model: it is not a "
+                                 "generator (it fills in masked positions from both sides, chapter 9); sample from "
+                                 "a run trained with --objective next")
+            tokenizer = CharTokenizer.load(folder / TOKENIZER_NAME)
+            if tokenizer.vocab_size != model.config.vocab_size:
+                raise ValueError(f"{folder / TOKENIZER_NAME} has {tokenizer.vocab_size} tokens but the model "
+                                 f"{model.config.vocab_size}: the folder mixes two runs")
+            prompt = "\n" if args.prompt is None else args.prompt
+            prompt = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
+            generator = torch.Generator(device=device).manual_seed(args.seed)
+            out = generate(model, prompt, 500 if args.tokens is None else args.tokens,
+                           temperature=0.8 if args.temperature is None else args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, greedy=args.greedy, use_cache=not args.no_cache, generator=generator)
+            text = tokenizer.decode(out[0].tolist())
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -16,6 +16,7 @@ Both vocabularies are fixed by the task, not learned from data, and share the sp
 * :func:`date_examples` -- ``n`` (source, target) pairs from a seed, from the training or the held-out split:
   every target (a date, a month or a year) belongs to exactly one split, so no held-out example -- not even its
   date in another wording -- occurs in training;
+* :func:`date_splits` -- the training, validation and test sets of chapter 10 and ``groundup train --task dates``;
 * :class:`Seq2SeqTokenizer`, :func:`date_tokenizers`;
 * :class:`Seq2SeqData`, :func:`collate` (padding, shifted decoder input) and :func:`batches` for
   :func:`groundup.training.train`;
@@ -39,7 +40,7 @@ import torch
 
 from groundup.utils import atomic_write_text
 
-__all__ = ["PAD", "START", "END", "SPECIALS", "date_to_words", "date_examples", "Seq2SeqTokenizer",
+__all__ = ["PAD", "START", "END", "SPECIALS", "date_to_words", "date_examples", "date_splits", "Seq2SeqTokenizer",
            "date_tokenizers", "Seq2SeqData", "encode_pairs", "collate", "batches", "greedy_decode", "beam_search",
            "sequence_log_prob", "exact_match", "cross_attention_weights", "YEARS", "HELD_OUT_FRACTION"]
 
@@ -157,6 +158,28 @@ def date_examples(n: int, *, split: str = "train", seed: int = 0) -> list[tuple[
             seen.add(pair[0])
         out.append(pair)
     return out
+
+
+def date_splits(n_train: int = 20_000, n_val: int = 500, n_test: int = 1_000, *, seed: int = 0):
+    """The dates task's ``(train, val, test)`` lists of (source, target) pairs, as chapter 10 trains and tests on them.
+
+    ``train`` is ``date_examples(n_train, split="train", seed=seed)`` and ``test`` is ``date_examples(n_test,
+    split="held_out", seed=seed)``; ``val`` holds the first ``n_val`` pairs of the held-out split drawn with
+    ``seed + 1`` whose source is not a test source. No date of ``val`` or ``test`` is trained on (in any wording),
+    and ``val`` and ``test`` share no source (they may share a date in different wordings).
+    """
+    for name, value in (("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    train = date_examples(n_train, split="train", seed=seed)
+    test = date_examples(n_test, split="held_out", seed=seed)
+    test_sources = {s for s, _ in test}
+    draws = n_val + n_val // 5  # date_examples(m) is a prefix of date_examples(m') for m < m': draw more if short
+    while True:
+        val = [p for p in date_examples(draws, split="held_out", seed=seed + 1) if p[0] not in test_sources]
+        if len(val) >= n_val:
+            return train, val[:n_val], test
+        draws *= 2
 
 
 _SPLIT = re.compile(r"[a-z]+|[^\sa-z]")
