@@ -36,6 +36,26 @@ POSITIONALS = ("learned", "sinusoidal", "none", "relative", "alibi", "rope")
 INIT_STD = 0.02
 """Standard deviation of every linear layer's weights at initialisation (GPT-2, nanoGPT)."""
 
+def _check_block_options(config, positionals: tuple) -> None:
+    """The checks GPTConfig and EncoderDecoderConfig share: heads, positions, norms, dropout, tying."""
+    if config.d_model % config.n_heads:
+        raise ValueError(f"d_model ({config.d_model}) must be divisible by n_heads ({config.n_heads})")
+    if config.positional not in positionals:
+        raise ValueError(f"positional must be one of {positionals}, got {config.positional!r}")
+    if config.positional == "rope" and config.d_head % 2:
+        raise ValueError(f"positional='rope' needs an even d_head = d_model / n_heads, got {config.d_head}")
+    if config.positional == "sinusoidal" and config.d_model % 2:
+        raise ValueError(f"positional='sinusoidal' needs an even d_model, got {config.d_model}")
+    if config.norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {config.norm!r}")
+    if config.norm_position not in NORM_POSITIONS:
+        raise ValueError(f"norm_position must be one of {NORM_POSITIONS}, got {config.norm_position!r}")
+    if isinstance(config.dropout, bool) or not isinstance(config.dropout, numbers.Real) \
+            or not 0.0 <= config.dropout < 1.0:
+        raise ValueError(f"dropout must be a number in [0, 1), got {config.dropout!r}")
+    if not isinstance(config.tie_weights, bool):
+        raise ValueError(f"tie_weights must be True or False, got {config.tie_weights!r}")
+
 
 @dataclass
 class GPTConfig:
@@ -69,23 +89,7 @@ class GPTConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
             if type(value) is not int:  # a NumPy integer, say: store the plain int
                 setattr(self, name, int(value))
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if self.positional not in POSITIONALS:
-            raise ValueError(f"positional must be one of {POSITIONALS}, got {self.positional!r}")
-        if self.positional == "rope" and self.d_head % 2:
-            raise ValueError(f"positional='rope' needs an even d_head = d_model / n_heads, got {self.d_head}")
-        if self.positional == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"positional='sinusoidal' needs an even d_model, got {self.d_model}")
-        if self.norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
-        if self.norm_position not in NORM_POSITIONS:
-            raise ValueError(f"norm_position must be one of {NORM_POSITIONS}, got {self.norm_position!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real) \
-                or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
-        if not isinstance(self.tie_weights, bool):
-            raise ValueError(f"tie_weights must be True or False, got {self.tie_weights!r}")
+        _check_block_options(self, POSITIONALS)
 
     @property
     def d_head(self) -> int:
@@ -342,21 +346,7 @@ class EncoderDecoderConfig:
         if len({self.pad_id, self.start_id, self.end_id}) != 3:
             raise ValueError(f"pad_id, start_id and end_id must be three different ids, got {self.pad_id}, "
                              f"{self.start_id}, {self.end_id}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if self.positional not in ENCODER_DECODER_POSITIONALS:
-            raise ValueError(f"positional must be one of {ENCODER_DECODER_POSITIONALS}, got {self.positional!r}")
-        if self.positional == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"positional='sinusoidal' needs an even d_model, got {self.d_model}")
-        if self.norm not in NORMS:
-            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
-        if self.norm_position not in NORM_POSITIONS:
-            raise ValueError(f"norm_position must be one of {NORM_POSITIONS}, got {self.norm_position!r}")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real) \
-                or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
-        if not isinstance(self.tie_weights, bool):
-            raise ValueError(f"tie_weights must be True or False, got {self.tie_weights!r}")
+        _check_block_options(self, ENCODER_DECODER_POSITIONALS)
 
     @property
     def d_head(self) -> int:
