@@ -270,3 +270,28 @@ def test_the_cli_rejects_a_masked_option_for_a_gpt_run(tmp_path, capsys):
     status = cli.main(["train", "--out", str(tmp_path / "r"), "--text", str(text), "--mask-rate", "0.2",
                        "--max-steps", "1", "--no-progress"])
     assert status == 1 and "--objective masked" in capsys.readouterr().err
+
+
+# --- the stored multi-seed results chapter 9 loads -------------------------------------------------------------
+
+
+def test_chapter9_results_hold_every_run_the_notebook_reads_with_its_command():
+    import json
+    from importlib import resources
+
+    runs = json.loads(resources.files("groundup").joinpath("results/chapter09.json").read_text())["runs"]
+    needed = [f"gpt/seed{s}" for s in range(3)] + [f"mlm/{v}/steps{n}/seed{s}" for v in
+                                                   ("mask", "bert", "unchanged", "random")
+                                                   for n in (600, 2400) for s in range(3)]
+    for key in needed:
+        run = runs[key]
+        assert run["command"].startswith("OMP_NUM_THREADS=1 python tools/ch09_results.py"), key
+        assert f"--seed {run['seed']}" in run["command"], key
+        blanks = run["blanks"]
+        assert len(blanks["correct"]) == 1000 and set(blanks["correct"]) <= {"0", "1"}, key
+        assert blanks["accuracy"] == pytest.approx(blanks["correct"].count("1") / 1000, abs=1e-5), key
+        if run["kind"] == "mlm":
+            assert f"--steps {run['steps']}" in run["command"] and set(run["probe"]) == {"[MASK]", "observed",
+                                                                                      "corrupted"}, key
+            assert all(0 <= v <= 1 for v in run["probe"].values()), key
+    assert runs["gpt/seed0"]["same_weights_as_chapter7_model"] is True

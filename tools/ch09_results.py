@@ -1,0 +1,170 @@
+"""The multi-seed runs behind chapter 9's experiments, stored in src/groundup/results/chapter09.json.
+
+    OMP_NUM_THREADS=1 python tools/ch09_results.py                       # everything (under an hour)
+    OMP_NUM_THREADS=1 python tools/ch09_results.py --kind gpt --seed 1   # one entry
+
+Two kinds of run, each trained on one CPU thread (so the numbers are the same on every run of this script):
+
+- ``mlm``: the chapter's masked LM (2 layers, d_model 64, 4 heads, RoPE, context 32, batch 64, peak learning rate
+  8e-3) trained for ``--steps`` steps with one of four ways of showing the selected 15 %: ``mask`` (always
+  [MASK]), ``bert`` (80 % [MASK] / 10 % random / 10 % unchanged), ``unchanged`` (80 % [MASK] / 20 % unchanged),
+  ``random`` (80 % [MASK] / 20 % random). The ``bert`` run with 600 steps and seed 0 is the notebook's model.
+- ``gpt``: chapter 7's GPT (``CHAPTER7_MODEL`` trained with ``CHAPTER7_TRAINING``) with the seed replaced by
+  ``--seed``; seed 0 is the model ``groundup.training.chapter7_model()`` returns.
+
+Every run is scored exactly as the notebook scores it: on the 1000 blanks of the chapter's "Use it" section (loss,
+accuracy and, per blank, whether the most probable character is right) and, for the masked LMs, on the three
+probes of the 80/10/10 experiment ([MASK], observed and corrupted accuracy). Each entry records the command that
+made it; running a command again replaces its entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from groundup.data import load_corpus, train_val_split
+from groundup.masking import mask_tokens, masked_lm_batches
+from groundup.models import GPT, GPTConfig, MaskedLM, MaskedLMConfig
+from groundup.tokenizers import CharTokenizer
+from groundup.training import CHAPTER7_MODEL, CHAPTER7_TRAINING, TrainConfig, chapter7_model, train
+
+OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter09.json"
+VARIANTS = {  # name in the command: (name in the notebook, mask_fraction, random_fraction)
+    "mask": ("always [MASK]", 1.0, 0.0),
+    "bert": ("80/10/10 (BERT)", 0.8, 0.1),
+    "unchanged": ("80 [MASK] / 20 unchanged", 0.8, 0.0),
+    "random": ("80 [MASK] / 20 random", 0.8, 0.2),
+}
+MLM_SHAPE = dict(context_length=32, d_model=64, n_layers=2, n_heads=4, positional="rope")
+
+
+def mlm_training(steps: int, seed: int) -> TrainConfig:
+    """The notebook's TrainConfig for 600 steps; longer runs evaluate four times."""
+    return TrainConfig(batch_size=64, max_steps=steps, learning_rate=8e-3, warmup_steps=60,
+                       eval_interval=200 if steps == 600 else steps // 4, eval_batches=10, seed=seed, progress=False)
+
+
+def data():
+    text = load_corpus("shakespeare")
+    tokenizer = CharTokenizer.from_text(text)
+    train_ids, val_ids = train_val_split(torch.tensor(tokenizer.encode(text)), 0.1)
+    return tokenizer, train_ids, val_ids
+
+
+def blanks(val_ids):
+    """The chapter's 1000 blanks: positions and true characters (the notebook's "Use it" cell)."""
+    g = torch.Generator().manual_seed(9)
+    pos = torch.randint(64, len(val_ids) - 64, (1000,), generator=g)
+    return pos, val_ids[pos]
+
+
+def score(logp, truth):
+    correct = logp.argmax(-1) == truth
+    return {"loss": round(-logp[torch.arange(len(truth)), truth].mean().item(), 5),
+            "accuracy": round(correct.double().mean().item(), 5),
+            "correct": "".join("1" if c else "0" for c in correct.tolist())}
+
+
+def probe(model, val_ids, mask_id, n_v):
+    """[MASK], observed and corrupted accuracy on 500 fixed validation windows (the notebook's probe)."""
+    starts = torch.randint(0, len(val_ids) - 32, (500,), generator=torch.Generator().manual_seed(5))
+    windows = val_ids[starts[:, None] + torch.arange(32)]
+    g = torch.Generator().manual_seed(6)
+    found = {}
+    with torch.no_grad():
+        for name, (mask_fraction, random_fraction) in [("[MASK]", (1.0, 0.0)), ("corrupted", (0.0, 1.0))]:
+            x, y = mask_tokens(windows, mask_token_id=mask_id, vocab_size=n_v + 1, generator=g,
+                               mask_fraction=mask_fraction, random_fraction=random_fraction)
+            sel = (y != -100) & (x != y)  # selected and actually changed
+            found[name] = round((model(x)[0].argmax(-1)[sel] == y[sel]).double().mean().item(), 5)
+        found["observed"] = round((model(windows)[0].argmax(-1) == windows).double().mean().item(), 5)
+    return found
+
+
+def run_mlm(variant: str, steps: int, seed: int):
+    tokenizer, train_ids, val_ids = data()
+    n_v = tokenizer.vocab_size
+    _, mask_fraction, random_fraction = VARIANTS[variant]
+    torch.manual_seed(seed)
+    model = MaskedLM(MaskedLMConfig(vocab_size=n_v + 1, **MLM_SHAPE))
+    history = train(model, train_ids, val_ids, mlm_training(steps, seed),
+                    batches=masked_lm_batches(n_v, n_v + 1, mask_fraction=mask_fraction,
+                                              random_fraction=random_fraction))
+    model.eval()
+    pos, truth = blanks(val_ids)
+    window = val_ids[pos[:, None] + torch.arange(-16, 16)]
+    window[:, 16] = n_v
+    with torch.no_grad():
+        logp = model(window)[0][:, 16, :n_v].log_softmax(-1)
+    return {"val_loss": round(history.val_loss[-1], 5), "blanks": score(logp, truth),
+            "probe": probe(model, val_ids, n_v, n_v)}
+
+
+def run_gpt(seed: int):
+    tokenizer, train_ids, val_ids = data()
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **CHAPTER7_MODEL))
+    history = train(model, train_ids, val_ids, TrainConfig(**{**CHAPTER7_TRAINING, "seed": seed}, progress=False))
+    model.eval()
+    pos, truth = blanks(val_ids)
+    with torch.no_grad():
+        logp = model(val_ids[pos[:, None] + torch.arange(-63, 0)])[0][:, -1].log_softmax(-1)
+    entry = {"val_loss": round(history.val_loss[-1], 5), "blanks": score(logp, truth)}
+    if seed == 0:  # the same weights as the chapter 7 model the notebook loads?
+        reference, _ = chapter7_model()
+        entry["same_weights_as_chapter7_model"] = all(
+            torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    return entry
+
+
+def store(key: str, entry: dict) -> None:
+    results = json.loads(OUT.read_text()) if OUT.exists() else {}
+    results["about"] = ("Runs for chapter 9 (one CPU thread each, see tools/ch09_results.py); each entry says which "
+                        "command made it.")
+    results.setdefault("runs", {})[key] = entry
+    results["runs"] = dict(sorted(results["runs"].items()))
+    tmp = OUT.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, OUT)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kind", choices=("mlm", "gpt"), action="append")
+    p.add_argument("--variant", choices=tuple(VARIANTS), action="append")
+    p.add_argument("--steps", type=int, action="append")
+    p.add_argument("--seed", type=int, action="append")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    seeds = a.seed or [0, 1, 2]
+    jobs = []
+    for kind in a.kind or ["mlm", "gpt"]:
+        if kind == "gpt":
+            jobs += [("gpt", None, 2000, s) for s in seeds]
+        else:
+            jobs += [("mlm", v, n, s) for n in a.steps or [600, 2400] for v in a.variant or list(VARIANTS)
+                     for s in seeds]
+    for kind, variant, steps, seed in jobs:
+        if kind == "gpt":
+            key, command = f"gpt/seed{seed}", f"OMP_NUM_THREADS=1 python tools/ch09_results.py --kind gpt --seed {seed}"
+            entry = {"kind": "gpt", "steps": steps, "seed": seed, **run_gpt(seed)}
+        else:
+            key = f"mlm/{variant}/steps{steps}/seed{seed}"
+            command = (f"OMP_NUM_THREADS=1 python tools/ch09_results.py --kind mlm --variant {variant} "
+                       f"--steps {steps} --seed {seed}")
+            name, mask_fraction, random_fraction = VARIANTS[variant]
+            entry = {"kind": "mlm", "variant": name, "mask_fraction": mask_fraction,
+                     "random_fraction": random_fraction, "steps": steps, "seed": seed,
+                     **run_mlm(variant, steps, seed)}
+        store(key, {"command": command, **entry})
+        print(key, {k: v for k, v in entry.items() if k != "blanks"}, entry["blanks"]["accuracy"], flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
