@@ -56,6 +56,17 @@ def _check_block_options(config, positionals: tuple) -> None:
     if not isinstance(config.tie_weights, bool):
         raise ValueError(f"tie_weights must be True or False, got {config.tie_weights!r}")
 
+def _check_targets(targets, inputs: torch.Tensor, name: str) -> None:
+    """Targets must be an integer tensor of token ids shaped like the model's ``inputs`` (called ``name``)."""
+    if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point \
+            or targets.dtype.is_complex or targets.dtype == torch.bool:
+        got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
+        raise TypeError(f"targets must be an integer torch.Tensor of token ids, got {got}")
+    if targets.shape != inputs.shape:
+        raise ValueError(f"targets must have the same shape as {name} {tuple(inputs.shape)}, "
+                         f"got {tuple(targets.shape)}")
+
+
 
 @dataclass
 class GPTConfig:
@@ -196,13 +207,7 @@ class GPT(nn.Module):
 
         loss = None
         if targets is not None:
-            if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point \
-                    or targets.dtype.is_complex or targets.dtype == torch.bool:
-                got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
-                raise TypeError(f"targets must be an integer torch.Tensor of token ids, got {got}")
-            if targets.shape != idx.shape:
-                raise ValueError(f"targets must have the same shape as idx {tuple(idx.shape)}, "
-                                 f"got {tuple(targets.shape)}")
+            _check_targets(targets, idx, "idx")
             try:
                 loss = F.cross_entropy(logits.reshape(-1, c.vocab_size), targets.reshape(-1).long())
             except IndexError as err:  # the kernel's own range check ("Target 300 is out of bounds.")
@@ -481,13 +486,7 @@ class EncoderDecoder(nn.Module):
         logits = self.decode(tgt_in, memory, src_mask)
         loss = None
         if targets is not None:
-            if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point \
-                    or targets.dtype.is_complex or targets.dtype == torch.bool:
-                got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
-                raise TypeError(f"targets must be an integer torch.Tensor of token ids, got {got}")
-            if targets.shape != tgt_in.shape:
-                raise ValueError(f"targets must have the same shape as tgt_in {tuple(tgt_in.shape)}, "
-                                 f"got {tuple(targets.shape)}")
+            _check_targets(targets, tgt_in, "tgt_in")
             ignored = (targets == c.pad_id) | (targets == -100)
             if not torch.equal(ignored, tgt_in == c.pad_id):
                 raise ValueError("the padding of targets does not match that of tgt_in (mismatched padding masks): "
