@@ -19,6 +19,7 @@ the parameters of a run that was never interrupted; Ctrl-C saves a checkpoint at
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -611,8 +612,6 @@ def _split_step(forward: nn.Module, inputs: tuple, y: torch.Tensor, device, opti
     division by ``accumulate`` averages over micro-batches) and returns that batch's mean loss, the same number on
     every process. A stop request (Ctrl-C) on any process is shared with the others, so all stop at the same step.
     """
-    import contextlib
-
     rows = y.shape[0] // world
     micro = rows // accumulate
     optimizer.zero_grad(set_to_none=True)
