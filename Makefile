@@ -30,7 +30,7 @@ $(STAMP): requirements.lock pyproject.toml
 	@touch $@
 
 data: setup
-	$(PY) -m groundup.data shakespeare
+	$(PY) -m groundup.data shakespeare gpt2.tiktoken
 
 book: setup
 	$(PY) tools/build_book.py

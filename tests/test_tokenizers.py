@@ -530,3 +530,160 @@ def test_decode_never_returns_a_lone_surrogate(tok):
 @given(st.lists(st.integers(0, 298), max_size=12))
 def test_decode_always_gives_printable_savable_text(tok, ids):
     tok.decode(ids).encode("utf-8")  # never a lone surrogate
+
+
+# ---- byte-to-id maps and GPT-2's published tokenizer --------------------------------------------------------
+
+import random  # noqa: E402
+
+import tiktoken  # noqa: E402
+
+from groundup import data as data_module  # noqa: E402
+from groundup.tokenizers import load_gpt2_tokenizer, merges_from_ranks, read_tiktoken_ranks  # noqa: E402
+
+
+def _ranks_of(tok: BPETokenizer, byte_order: list[int]) -> dict[bytes, int]:
+    """A tiktoken ranks table for the vocabulary of ``tok`` whose single bytes are ranked in ``byte_order``."""
+    ranks = {bytes([b]): r for r, b in enumerate(byte_order)}
+    for k in range(len(tok.merges)):
+        ranks[tok.vocab[256 + k]] = 256 + k
+    return ranks
+
+
+def _tiktoken(ranks, specials=None):
+    return tiktoken.Encoding("test", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks,
+                             special_tokens=specials or {})
+
+
+MIXED = ("Tokenizers: 12345 + 678 = 13023, don't   stop;\n\n  trailing  \t\nünïcödé 日本語 Ελληνικά 🙂🙂 ﬁ "
+         "Aragorn, Frodo and Gandalf.")
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return load_gpt2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def gpt2_reference():
+    from groundup.data import locate_asset
+    ranks = read_tiktoken_ranks(locate_asset("gpt2.tiktoken")[0])
+    return _tiktoken(ranks, {"<|endoftext|>": 50256})
+
+
+def test_byte_ids_give_the_same_tokens_under_other_numbers_as_tiktoken():
+    trained = BPETokenizer.train(TEXT, 300)
+    order = list(range(256))
+    random.Random(0).shuffle(order)
+    ranks = _ranks_of(trained, order)
+    byte_ids, merges = merges_from_ranks(ranks)
+    assert byte_ids == [order.index(b) for b in range(256)]
+    tok = BPETokenizer(merges, byte_ids=byte_ids)
+    reference = _tiktoken(ranks)
+    for text in (TEXT, MIXED, "", " ", "\x00\xff"):
+        assert tok.encode(text) == reference.encode_ordinary(text)
+        assert tok.decode(tok.encode(text)) == text
+    # the same tokens as the identity-numbered tokenizer, only renamed
+    rename = {i: (byte_ids[i] if i < 256 else i) for i in range(trained.vocab_size)}
+    assert tok.encode(TEXT) == [rename[i] for i in trained.encode(TEXT)]
+    assert tok.vocab[byte_ids[ord("a")]] == b"a"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=80))
+def test_gpt2_tokenizer_matches_tiktoken_on_any_text(gpt2, gpt2_reference, text):
+    assert gpt2.encode_ordinary(text) == gpt2_reference.encode_ordinary(text)
+    assert gpt2.decode(gpt2.encode_ordinary(text)) == text
+
+
+def test_gpt2_tokenizer_is_gpt2s(gpt2, gpt2_reference):
+    assert gpt2.vocab_size == 50257 == gpt2_reference.n_vocab
+    assert len(gpt2.merges) == 50000 and gpt2.special_ids == {"<|endoftext|>": 50256}
+    assert gpt2.encode("!") == [0] and gpt2.vocab[0] == b"!" and gpt2.vocab[50256] == b"<|endoftext|>"
+    assert gpt2.encode(" the") == [262] and gpt2.encode("Hello world") == [15496, 995]
+    from groundup.data import load_corpus
+    text = load_corpus("shakespeare")[:400_000]
+    assert gpt2.encode_ordinary(text) == gpt2_reference.encode_ordinary(text)
+    mixed = MIXED + "<|endoftext|>" + MIXED
+    assert gpt2.encode(mixed) == gpt2_reference.encode(mixed, allowed_special="all")
+    assert gpt2.encode(mixed).count(50256) == 1 and 50256 not in gpt2.encode_ordinary(mixed)
+    assert gpt2.encode_ordinary(mixed) == gpt2_reference.encode_ordinary(mixed)
+
+
+def test_gpt2_tokenizer_saves_as_version_2_and_loads_back(gpt2, tmp_path):
+    gpt2.save(tmp_path / "gpt2.json")
+    data = json.loads((tmp_path / "gpt2.json").read_text())
+    assert data["version"] == 2 and sorted(data["byte_ids"]) == list(range(256))
+    back = BPETokenizer.load(tmp_path / "gpt2.json")
+    assert back.byte_ids == gpt2.byte_ids and back.encode(MIXED) == gpt2.encode(MIXED)
+    plain = BPETokenizer.train(TEXT, 270)  # no byte map: still written as version 1
+    plain.save(tmp_path / "plain.json")
+    assert json.loads((tmp_path / "plain.json").read_text())["version"] == 1
+
+
+@pytest.mark.parametrize("byte_ids, message", [
+    ("[0, 0]", "corrupt tokenizer file"),
+    (json.dumps(list(range(255)) + [254]), "permutation"),
+    (json.dumps(list(range(1, 257))), "permutation"),
+    ('"abc"', "sequence of 256 ints"),
+    (None, "must hold \"byte_ids\""),
+])
+def test_corrupt_byte_ids_are_refused(tmp_path, byte_ids, message):
+    field = "" if byte_ids is None else f', "byte_ids": {byte_ids}'
+    path = tmp_path / "t.json"
+    path.write_text('{"format": "groundup-bpe-tokenizer", "version": 2, "pattern": null, "special_tokens": {}'
+                    f'{field}, "merges": []}}')
+    with pytest.raises(ValueError, match=message):
+        BPETokenizer.load(path)
+
+
+def test_byte_ids_argument_is_checked():
+    with pytest.raises(ValueError, match="permutation"):
+        BPETokenizer((), byte_ids=[0] * 256)
+    with pytest.raises(TypeError, match="256 ints"):
+        BPETokenizer((), byte_ids="abc")
+    assert BPETokenizer((), byte_ids=range(256)).byte_ids is None  # the identity is the ordinary case
+
+
+@pytest.mark.parametrize("text, message", [
+    ("IQ== 0\nIg== 2\n", "rank 1"),
+    ("IQ== 0\nIQ== 1\n", "new non-empty token"),
+    ("not*base64! 0\n", "invalid base64"),
+    ("IQ==\n", "not '<base64 token> <rank>'"),
+    ("IQ== -1\n", "not '<base64 token> <rank>'"),
+])
+def test_read_tiktoken_ranks_rejects_malformed_files(text, message):
+    with pytest.raises(ValueError, match=message):
+        read_tiktoken_ranks(text)
+
+
+def test_merges_from_ranks_rejects_tables_that_are_not_byte_level_bpe():
+    ranks = {bytes([b]): b for b in range(256)}
+    with pytest.raises(ValueError, match="first 256 tokens"):
+        merges_from_ranks({b"ab": 0, **{bytes([b]): b + 1 for b in range(255)}})
+    ranks[b"abc"] = 256  # no "ab" or "bc" below it: not the merge of two earlier tokens
+    with pytest.raises(ValueError, match="cannot be made by merging"):
+        merges_from_ranks(ranks)
+
+
+def test_gpt2_ranks_come_from_a_verified_archive(tmp_path, monkeypatch):
+    fake = tmp_path / "openai_whisper-20250625.tar.gz"
+    fake.write_bytes(b"not the archive")
+    with pytest.raises(data_module.CorpusError, match="SHA-256"):
+        data_module.gpt2_ranks_from_archive(fake)
+    with pytest.raises(ValueError, match="unknown data file 'gpt3.tiktoken'"):
+        data_module.locate_asset("gpt3.tiktoken")
+    # a file in GROUNDUP_DATA_DIR with the wrong contents is refused, not used
+    (tmp_path / "gpt2.tiktoken").write_text("IQ== 0\n")
+    monkeypatch.setenv("GROUNDUP_DATA_DIR", str(tmp_path))
+    with pytest.raises(data_module.CorpusError, match="SHA-256"):
+        data_module.locate_asset("gpt2.tiktoken")
+
+
+def test_encode_ordinary_treats_special_strings_as_text():
+    tok = BPETokenizer.train(TEXT, 300, special_tokens=[EOT])
+    assert tok.encode("a" + EOT) == tok.encode("a") + [tok.special_ids[EOT]]
+    assert tok.special_ids[EOT] not in tok.encode_ordinary("a" + EOT)
+    assert tok.decode(tok.encode_ordinary("a" + EOT)) == "a" + EOT
+    with pytest.raises(TypeError):
+        tok.encode_ordinary(b"bytes")

