@@ -252,9 +252,10 @@ def test_an_existing_run_is_not_overwritten(tmp_path):
 # --- resuming ------------------------------------------------------------------------------------------------
 
 
-def test_resume_after_a_crash_ends_bit_for_bit_like_an_uninterrupted_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_after_a_crash_ends_bit_for_bit_like_an_uninterrupted_run(tmp_path, monkeypatch, optimizer):
     data, val = pattern_data(), pattern_data(seed=1)
-    common = dict(max_steps=40, eval_interval=10)
+    common = dict(max_steps=40, eval_interval=10, optimizer=optimizer)
     whole = tiny_model(dropout=0.1)
     train(whole, data, val, config(**common))
 
@@ -365,3 +366,49 @@ def test_the_batches_hook_rejects_bad_uses():
     with pytest.raises(TypeError, match=r"must return \(inputs, targets\)"):
         train(tiny_model(), pattern_data(), pattern_data(), config(),
               batches=lambda d, b, n, g: windows_batches(d, b, n, g)[0])
+
+
+# --- Muon --------------------------------------------------------------------------------------------------------
+
+
+def test_muon_takes_the_linear_weights_and_adamw_the_rest():
+    model = tiny_model()
+    opt = training.MuonAdamW(model, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    linear = [n for n, p in model.named_parameters() if any(p is q for q in training.muon_parameters(model))]
+    assert linear and all(n.endswith(".weight") and ".W_" in n for n in linear)
+    assert not any("embedding" in n for n in linear)
+    in_muon = {id(p) for g in opt.muon.param_groups for p in g["params"]}
+    in_adamw = {id(p) for g in opt.adamw.param_groups for p in g["params"]}
+    assert in_muon.isdisjoint(in_adamw) and in_muon | in_adamw == {id(p) for p in model.parameters()}
+    assert opt.param_groups[0] is opt.adamw.param_groups[0] and opt.param_groups[-1] is opt.muon.param_groups[0]
+
+
+def test_muon_step_is_pytorchs_muon_and_adamw_step(tmp_path):
+    """One MuonAdamW step equals torch.optim.Muon on the matrices plus torch.optim.AdamW on the rest."""
+    torch.manual_seed(0)
+    a, b = tiny_model(), tiny_model()
+    b.load_state_dict(a.state_dict())
+    x = torch.randint(0, 12, (4, 8))
+    for model in (a, b):
+        model(x, x)[1].backward()
+    ours = training.MuonAdamW(a, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    matrices = training.muon_parameters(b)
+    rest = [p for p in b.parameters() if all(p is not q for q in matrices)]
+    muon = torch.optim.Muon(matrices, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": 0.1},
+                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=1e-2, betas=(0.9, 0.99))
+    ours.step()
+    muon.step()
+    adamw.step()
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=f"{name} differs")
+
+
+def test_optimizer_names_are_checked_and_states_do_not_mix(tmp_path):
+    with pytest.raises(ValueError, match="optimizer must be one of adamw, muon"):
+        config(optimizer="sgd")
+    train(tiny_model(), pattern_data(), pattern_data(), config(max_steps=10, out_dir=tmp_path))
+    opt = training.MuonAdamW(tiny_model(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    with pytest.raises(ValueError, match="optimizer state does not fit"):
+        load_checkpoint(tmp_path, tiny_model(), optimizer=opt)

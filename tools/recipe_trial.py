@@ -41,6 +41,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--positional", default="rope")
     p.add_argument("--min-lr", type=float, default=None, help="end of the cosine (default: lr / 10)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="recipe_search.jsonl")
@@ -54,6 +55,7 @@ def main(argv=None) -> None:
                           n_layers=a.layers, n_heads=a.heads, positional=a.positional, dropout=0.0))
     config = TrainConfig(batch_size=a.batch_size, context_length=a.context, max_steps=a.steps, learning_rate=a.lr,
                          min_lr=a.min_lr, warmup_steps=a.warmup, weight_decay=0.1, grad_clip=1.0,
+                         optimizer=a.optimizer,
                          eval_interval=max(a.steps // 8, 1),
                          eval_batches=20, seed=a.seed, progress=False)
     start = time.perf_counter()

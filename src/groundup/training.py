@@ -39,7 +39,8 @@ from groundup.data import get_batch
 from groundup.models import GPT, EncoderDecoder, EncoderDecoderConfig, GPTConfig, MaskedLM, MaskedLMConfig
 from groundup.utils import atomic_write_bytes, default_device, threads
 
-__all__ = ["TrainConfig", "History", "train", "evaluate", "lr_at", "param_groups", "save_checkpoint",
+__all__ = ["TrainConfig", "History", "train", "evaluate", "lr_at", "param_groups", "MuonAdamW", "muon_parameters",
+           "save_checkpoint",
            "load_checkpoint", "CHECKPOINT_NAME", "HISTORY_NAME"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -58,7 +59,10 @@ class TrainConfig:
 
     ``learning_rate`` is the peak: it rises linearly over ``warmup_steps`` and then follows a cosine down to
     ``min_lr`` (default ``learning_rate / 10``) at ``max_steps`` (see :func:`lr_at`). AdamW's ``weight_decay``
-    applies to matrices only (:func:`param_groups`). ``grad_clip`` caps the global gradient norm (None: no
+    applies to matrices only (:func:`param_groups`). ``optimizer="muon"`` updates the weight matrices of the
+    blocks' linear layers with Muon instead (momentum, then the update orthogonalised by a Newton-Schulz
+    iteration; PyTorch's ``torch.optim.Muon`` with its learning rate matched to AdamW's update size) and
+    everything else with AdamW (:class:`MuonAdamW`). ``grad_clip`` caps the global gradient norm (None: no
     clipping). Every ``eval_interval`` steps (and at the last step) the validation loss is measured on
     ``eval_batches`` batches of non-overlapping windows (None: the whole validation set), and a checkpoint is
     written to ``out_dir`` (None: no checkpoints). ``resume=True`` continues from the checkpoint in ``out_dir``.
@@ -76,6 +80,7 @@ class TrainConfig:
     min_lr: float | None = None
     warmup_steps: int = 100
     weight_decay: float = 0.1
+    optimizer: str = "adamw"
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float | None = 1.0
@@ -104,6 +109,8 @@ class TrainConfig:
         if self.min_lr > self.learning_rate:
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed learning_rate ({self.learning_rate})")
         _check_float("weight_decay", self.weight_decay)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             _check_float(name, value)
@@ -192,9 +199,68 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _make_optimizer(model: nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters Muon updates: the weight matrices of the ``nn.Linear`` layers inside the model (W_Q, W_K,
+    W_V, W_O, the FFN's), not the embedding, positional table or unembedding, and no vectors."""
+    return [m.weight for m in model.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon for the blocks' weight matrices (:func:`muon_parameters`), AdamW for every other parameter.
+
+    Muon (Jordan et al. 2024) keeps a momentum of each matrix's gradient and replaces it by the nearest
+    semi-orthogonal matrix (five Newton-Schulz iterations) before the step, so every direction of the matrix
+    moves by the same amount. PyTorch's ``torch.optim.Muon`` does the work; ``adjust_lr_fn="match_rms_adamw"``
+    scales its step to the size of an AdamW step, so both share one learning rate and one schedule. The two
+    optimizers' parameter groups are this optimizer's ``param_groups`` (the same dicts), so a learning-rate
+    scheduler drives both; ``state_dict`` holds both states.
+    """
+
+    def __init__(self, model: nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
+                 fused: bool = False):
+        matrices = muon_parameters(model)
+        if not matrices:
+            raise ValueError("optimizer='muon' needs a model with nn.Linear layers; this one has none")
+        chosen = {id(p) for p in matrices}
+        rest = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
+        groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+        self.adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, fused=fused)
+        self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+        super().__init__(matrices + rest, {"lr": lr})
+        self.param_groups = self.adamw.param_groups + self.muon.param_groups  # shared with the two optimizers
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MuonAdamW.step does not take a closure")
+        self.adamw.step()
+        self.muon.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.adamw.zero_grad(set_to_none=set_to_none)
+        self.muon.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"adamw": self.adamw.state_dict(), "muon": self.muon.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict) or set(state_dict) != {"adamw", "muon"}:
+            raise ValueError("a MuonAdamW state must hold 'adamw' and 'muon' (was it saved with optimizer='adamw'?)")
+        self.adamw.load_state_dict(state_dict["adamw"])
+        self.muon.load_state_dict(state_dict["muon"])
+        self.param_groups = self.adamw.param_groups + self.muon.param_groups
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def _make_optimizer(model: nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     # The fused kernel updates all parameters in one pass (about 3x faster than the per-tensor loop here).
     fused = device.type in ("cpu", "cuda")
+    if config.optimizer == "muon":
+        return MuonAdamW(model, lr=config.learning_rate, betas=(config.beta1, config.beta2),
+                         weight_decay=config.weight_decay, fused=fused)
     return torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.learning_rate,
                              betas=(config.beta1, config.beta2), fused=fused)
 
