@@ -184,3 +184,143 @@ def test_embedding_sizes_accept_numpy_integers_and_ids_of_small_integer_dtypes()
     ids = torch.tensor([[0, 6, 3]])
     for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
         assert torch.equal(emb(ids.to(dtype)), emb(ids))
+
+
+# ---- no host sync per step: the ids are never reduced on the happy path ------------------------------------
+
+
+class _RecordCalls(torch.overrides.TorchFunctionMode):
+    """Records the name of every torch function and tensor method called while the mode is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+_REDUCTIONS = {"min", "max", "amin", "amax", "aminmax", "any", "all", "item", "tolist", "__bool__", "__int__",
+               "nonzero", "unique"}
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_forward_does_not_reduce_the_ids(dtype):
+    # On a GPU, ids.min() / ids.max() turned into Python numbers make the host wait for the device every step.
+    # The forward pass must leave the range check to F.embedding (which checks on the CPU for free).
+    emb = TokenEmbedding(10, 4)
+    ids = torch.tensor([[0, 9, 3], [2, 2, 1]], dtype=dtype)
+    with _RecordCalls() as calls:
+        out = emb(ids)
+    assert "embedding" in calls.names                      # the mode sees the calls forward makes ...
+    assert not _REDUCTIONS & set(calls.names), calls.names  # ... and none of them reduces the ids
+    torch.testing.assert_close(out, emb.weight[ids.long()])
+
+
+def test_forward_does_not_call_min_or_max_methods(monkeypatch):
+    # The same guarantee seen from the tensor methods themselves: make them fail loudly if called.
+    emb = TokenEmbedding(10, 4)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("TokenEmbedding.forward called a reduction over the ids")
+
+    for name in ("min", "max", "aminmax", "amin", "amax"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    out = emb(torch.tensor([1, 5, 9]))
+    monkeypatch.undo()
+    torch.testing.assert_close(out, emb.weight[[1, 5, 9]])
+
+
+def test_out_of_range_ids_still_give_a_clear_error_on_the_cpu():
+    emb = TokenEmbedding(6, 4)
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 5\] \(vocab_size=6\), got 6") as info:
+        emb(torch.tensor([[0, 6, 2]]))
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # not a chained IndexError dump
+    with pytest.raises(ValueError, match=r"got -3"):
+        emb(torch.tensor([1, -3, 7], dtype=torch.int32))   # the smallest bad id is named when one is negative
+    # the reference itself: PyTorch's lookup raises IndexError for the same ids
+    with pytest.raises(IndexError):
+        F.embedding(torch.tensor([6]), emb.weight)
+
+
+def test_chapter3_new_plots_label_and_reject_bad_input():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from groundup.plotting import plot_embedding_projection, plot_excess_loss_vs_logit_scale, plot_seed_bands
+
+    ln84 = math.log(84)
+    fig = plot_excess_loss_vs_logit_scale([0.5, 1.0, 10.0], [ln84 + 0.13, ln84 + 0.5, 24.7], vocab_size=84,
+                                          expected_max=2.447)
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and "ln n_V" in ax.get_ylabel()
+    assert len(ax.get_legend().get_texts()) == 4
+    measured = [line for line in ax.get_lines() if line.get_label() == "measured"][0]
+    assert measured.get_ydata()[1] == pytest.approx(0.5)          # the plotted value is loss - ln n_V
+    with pytest.raises(ValueError, match="must exceed ln n_V"):
+        plot_excess_loss_vs_logit_scale([1.0], [ln84 - 0.1], vocab_size=84)
+    with pytest.raises(ValueError, match="vocab_size must be an integer >= 2"):
+        plot_excess_loss_vs_logit_scale([1.0], [5.0], vocab_size=True)
+
+    fig = plot_seed_bands({"Post-LN": {"a": [[3.0, 2.0], [3.2, 2.2]], "b": [[4.0, 2.5]] * 3}}, [0, 100])
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a (mean of 2)", "b (mean of 3)"]
+    assert list(ax.get_lines()[0].get_ydata()) == pytest.approx([3.1, 2.1])
+    assert ax.get_lines()[0].get_linestyle() != ax.get_lines()[1].get_linestyle()
+    two = plot_seed_bands({"p": {"a": [[3.0, 2.0]]}, "q": {"a": [[30.0, 20.0]]}}, [0, 100], sharey=False)
+    assert [t.get_text() for t in two.legends[0].get_texts()] == ["a (mean of 1)"]   # one legend, below the panels
+    assert two.axes[0].get_legend() is None and two.axes[1].get_ylim()[1] > 20
+    with pytest.raises(ValueError, match="one per step"):
+        plot_seed_bands({"p": {"a": [[1.0, 2.0, 3.0]]}}, [0, 1])
+    with pytest.raises(ValueError, match="at least one panel"):
+        plot_seed_bands({}, [0])
+
+    fig = plot_embedding_projection({"red": (1.0, 2.0), "two": (-1.0, 0.5)}, {"colours": ["red"], "numbers": ["two"]})
+    ax = fig.axes[0]
+    assert sorted(t.get_text() for t in ax.texts) == ["red", "two"]
+    assert "component" in ax.get_xlabel()
+    with pytest.raises(ValueError, match=r"have no point: \['blue'\]"):
+        plot_embedding_projection({"red": (1.0, 2.0)}, {"colours": ["red", "blue"]})
+    plt.close("all")
+
+
+def test_chapter3_results_hold_every_run_the_notebook_reads_with_its_command():
+    import json
+    from importlib import resources
+
+    runs = json.loads(resources.files("groundup").joinpath("results/chapter03.json").read_text())["runs"]
+    n_v = 84  # Shakespeare's characters
+    start_rms = {"rms": 1.0, "linear": 1 / math.sqrt(3 * n_v), "small": SMALL_STD}
+    for norm in ("post", "pre"):
+        for init, expected in start_rms.items():
+            for seed in range(3):
+                run = runs[f"init/{norm}/{init}/seed{seed}"]
+                assert run["command"] == f"OMP_NUM_THREADS=1 python tools/ch03_results.py --kind init --seed {seed}"
+                assert (run["norm_position"], run["init"], run["seed"]) == (norm, init, seed)
+                assert run["steps"][0] == 0 and run["steps"][-1] == 600
+                assert len(run["val_loss"]) == len(run["token_rms"]) == len(run["steps"])
+                # the stored start is the one named: rows at RMS 1 exactly, the others in expectation
+                assert run["token_rms"][0] == pytest.approx(expected, rel=0.1 if init != "rms" else 1e-3)
+                # an untrained model is near ln n_V + 1/2 (3.8); training brings the loss well below ln n_V
+                assert math.log(n_v) < run["val_loss"][0] < math.log(n_v) + 1 and run["val_loss"][-1] < 2.5
+    for init, expected in start_rms.items():
+        for seed in range(3):
+            run = runs[f"control/post-no-positions/{init}/seed{seed}"]
+            assert run["command"] == f"OMP_NUM_THREADS=1 python tools/ch03_results.py --kind control --seed {seed}"
+            assert (run["norm_position"], run["positional"], run["init"]) == ("post", "none", init)
+            assert run["token_rms"][0] == pytest.approx(expected, rel=0.1 if init != "rms" else 1e-3)
+    for init in ("small", "rms"):
+        for seed in range(3):
+            run = runs[f"words/{init}/seed{seed}"]
+            assert run["command"] == f"OMP_NUM_THREADS=1 python tools/ch03_results.py --kind words --seed {seed}"
+            assert set(run["precision_at_5"]) == {"colours", "numbers", "kinship", "pronouns"}
+            assert all(0 <= p <= 1 for p in run["precision_at_5"].values())
+            for word, neighbours in run["neighbours"].items():
+                sims = [c for _, c in neighbours]
+                assert len(neighbours) == 5 and sims == sorted(sims, reverse=True), word
+                assert word not in [n for n, _ in neighbours] and "<unk>" not in [n for n, _ in neighbours]
+            assert run["rank_of_blue_for_white"] >= 1 and -1 <= run["cos_white_blue"] <= 1
+    assert len(runs["words/small/seed0"]["pca"]) == 38

@@ -81,7 +81,14 @@ class TokenEmbedding(nn.Module):
             self.weight.normal_(0.0, SMALL_STD)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Look up the rows of ``weight`` for integer token ids of any shape; returns ``[*ids.shape, d_model]``."""
+        """Look up the rows of ``weight`` for integer token ids of any shape; returns ``[*ids.shape, d_model]``.
+
+        Only cheap checks run on every call (a tensor, an integer dtype): the ids are never reduced (no
+        ``ids.min()`` / ``ids.max()``), because turning such a reduction into a Python number makes the host wait
+        for a GPU at every step. The range is checked by the lookup itself: on the CPU an id outside
+        ``[0, vocab_size)`` raises ``ValueError`` naming it (the ids are inspected only then, when the step has
+        failed anyway); on a GPU the lookup's own device-side assertion fails.
+        """
         if not isinstance(ids, torch.Tensor):
             raise TypeError(f"ids must be a torch.Tensor of integer token ids, got {type(ids).__name__}")
         if ids.dtype not in _INTEGER_DTYPES:

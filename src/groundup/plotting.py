@@ -224,3 +224,111 @@ def plot_gradient_norms(curves: Mapping[str, Sequence[float]], *, xs: Sequence[i
     ax.legend()
     ax.grid(alpha=0.3, which="both")
     return fig
+
+
+# ---- chapter 3: excess initial loss, training bands over seeds, word-embedding projection --------------------
+
+
+def plot_excess_loss_vs_logit_scale(logit_rms: Sequence[float], losses: Sequence[float], *, vocab_size: int,
+                                    expected_max: float | None = None,
+                                    title: str = "Initial loss above the uniform guess"):
+    """The initial loss minus ``ln n_V`` against the RMS ``s`` of the logits, both axes logarithmic.
+
+    Subtracting ``ln n_V`` keeps the small-``s`` end visible (there the loss itself is nearly ``ln n_V``). Drawn with
+    the closed forms of chapter 3: ``s^2/2`` (small logits), ``s sqrt(2 ln n_V) - ln n_V`` (large logits, asymptotic
+    size of the largest of ``n_V`` Gaussians) and, when ``expected_max`` (the expected largest of ``n_V`` standard
+    Gaussians) is given, ``s * expected_max - ln n_V`` (large logits, finite vocabulary). A closed form is drawn only
+    where it is positive.
+    """
+    if len(logit_rms) != len(losses) or not losses:
+        raise ValueError(f"logit_rms and losses must be non-empty and of equal length, got {len(logit_rms)} and "
+                         f"{len(losses)}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+        raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
+    ln_v = float(np.log(vocab_size))
+    excess = _as_array(losses) - ln_v
+    if (excess <= 0).any():
+        raise ValueError(f"every loss must exceed ln n_V = {ln_v:.4f} to be drawn on a log axis, got {list(losses)}")
+    s = np.geomspace(min(logit_rms) / 1.5, max(logit_rms) * 1.5, 200)
+    fig, ax = plt.subplots(figsize=COLUMN, layout="constrained")
+    ax.plot(s, s**2 / 2, color="C1", label=r"$s^2/2$ (small $s$)")
+    large = s * np.sqrt(2 * ln_v) - ln_v
+    ax.plot(s[large > 0], large[large > 0], color="C2", linestyle=":",
+            label=r"$s\sqrt{2\ln n_V} - \ln n_V$ (large $s$, asymptotic)")
+    if expected_max is not None:
+        finite = s * expected_max - ln_v
+        ax.plot(s[finite > 0], finite[finite > 0], color="C3", linestyle="--",
+                label=rf"$s \cdot {expected_max:.3f} - \ln n_V$ (large $s$, $n_V = {vocab_size}$)")
+    ax.plot(list(logit_rms), list(excess), "o", color="C0", label="measured", zorder=3)
+    ax.set(xscale="log", yscale="log", xlabel="RMS $s$ of the logits at initialisation",
+           ylabel=r"initial loss $-\ln n_V$ (nats)", title=title)
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3, which="both")
+    return fig
+
+
+def plot_seed_bands(panels: Mapping[str, Mapping[str, Sequence[Sequence[float]]]], steps: Sequence[int], *,
+                    ylabel: str = "validation loss (nats)", xlabel: str = "training step",
+                    title: str = "Training curves over seeds", ylim: tuple[float, float] | None = None,
+                    sharey: bool = True):
+    """One panel per entry of ``panels``; in each, one line per named run: the mean over seeds with a min-max band.
+
+    ``panels[panel][name]`` is a list of curves (one per seed), each with one value per entry of ``steps``. Lines get
+    different styles as well as colours, so a curve lying on top of another stays visible. ``sharey=False`` lets
+    the panels have their own y axes (e.g. the full range on a log scale beside a linear zoom).
+    """
+    if not panels or not all(panels.values()):
+        raise ValueError("panels must name at least one panel, each with at least one run")
+    fig, axes = plt.subplots(1, len(panels), figsize=(COLUMN[0], COLUMN[1] + (0.3 if len(panels) == 1 else 0.8)),
+                             sharey=sharey, squeeze=False,
+                             layout="constrained")
+    styles = ["-", "--", ":", "-."]
+    for ax, (panel, runs) in zip(axes[0], panels.items()):
+        for k, (name, curves) in enumerate(runs.items()):
+            y = np.array([list(c) for c in curves], dtype=float)
+            if y.ndim != 2 or y.shape[1] != len(steps):
+                raise ValueError(f"run {name!r} of panel {panel!r} must be a list of curves with {len(steps)} values "
+                                 f"each (one per step), got shape {y.shape}")
+            ax.plot(list(steps), y.mean(axis=0), color=f"C{k}", linestyle=styles[k % len(styles)],
+                    label=f"{name} (mean of {len(y)})")
+            ax.fill_between(list(steps), y.min(axis=0), y.max(axis=0), color=f"C{k}", alpha=0.2, linewidth=0)
+        ax.set(title=panel, xlabel=xlabel)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
+        ax.grid(alpha=0.3)
+        if not sharey:
+            ax.set_ylabel(ylabel)
+    axes[0][0].set_ylabel(ylabel)
+    if len(panels) == 1:
+        axes[0][0].legend(fontsize="small")
+    else:  # below the panels, where it hides no curve
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 3), fontsize="small")
+    fig.suptitle(title)
+    return fig
+
+
+def plot_embedding_projection(points: Mapping[str, Sequence[float]], groups: Mapping[str, Sequence[str]], *,
+                              title: str = "Word embeddings projected on two principal components",
+                              xlabel: str = "principal component 1", ylabel: str = "principal component 2"):
+    """A labelled scatter plot of 2-D points (e.g. a PCA of word vectors), one colour and marker per group.
+
+    ``points`` maps each word to its ``(x, y)``; ``groups`` maps a group name to its words (each must be in
+    ``points``).
+    """
+    if not groups:
+        raise ValueError("groups must name at least one group of words")
+    missing = [w for words in groups.values() for w in words if w not in points]
+    if missing:
+        raise ValueError(f"these words of groups have no point: {missing}")
+    fig, ax = plt.subplots(figsize=(COLUMN[0], COLUMN[1] + 1.0), layout="constrained")
+    markers = "os^Dv<>"
+    for k, (name, words) in enumerate(groups.items()):
+        xy = np.array([list(points[w]) for w in words], dtype=float)
+        ax.scatter(xy[:, 0], xy[:, 1], color=f"C{k}", marker=markers[k % len(markers)], label=name)
+        for w, (x, y) in zip(words, xy):
+            ax.annotate(w, (x, y), xytext=(3, 3), textcoords="offset points", fontsize=8, color=f"C{k}")
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return fig
