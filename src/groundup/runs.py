@@ -8,7 +8,8 @@ A run folder holds what training writes and sampling reads::
                          (a --task dates run: source_tokenizer.json and target_tokenizer.json instead)
 
 ``groundup train`` defaults to the book's CPU recipe (chapter 7): a 4-layer GPT with rotary positions on
-characters, AdamW with warm-up and cosine decay. ``--resume`` continues an interrupted run exactly.
+characters, Muon for the blocks' weight matrices and AdamW for the rest, with warm-up and cosine decay. ``--resume``
+continues an interrupted run exactly.
 ``--objective masked`` trains a masked language model (chapter 9) of the same shape instead: a bidirectional
 encoder fed BERT-masked windows (the tokenizer's characters plus one [MASK] id). It is not a generator, so
 ``groundup sample`` refuses such a run.
