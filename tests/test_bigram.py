@@ -159,3 +159,56 @@ def test_bigram_and_ngram_accept_numpy_integers():
     g = torch.Generator().manual_seed(0)
     assert lm.sample(np.int64(1), np.int64(4), generator=g) == lm.sample(1, 4, generator=g.manual_seed(0))
     assert NGramLM.fit(ids, np.int64(3), np.int64(2)).loss(ids) == pytest.approx(NGramLM.fit(ids, 3, 2).loss(ids))
+
+
+def test_ngram_counted_loss_is_the_training_loss_and_leave_one_out_refits_without_each_occurrence():
+    from collections import Counter
+
+    g = torch.Generator().manual_seed(2)
+    train = torch.randint(0, 5, (400,), generator=g).tolist()
+    n, alpha, v = 3, 0.3, 5
+    model = NGramLM.fit(train, v, n, alpha=alpha)
+    assert model.counted_loss() == pytest.approx(model.loss(train), rel=1e-12)
+    # Leave-one-out by brute force: for every window, remove it from the counts and score it with the rest.
+    pairs = Counter(tuple(train[i:i + n]) for i in range(len(train) - n + 1))
+    contexts = Counter()
+    for key, count in pairs.items():
+        contexts[key[:-1]] += count
+    expected = -sum(math.log((pairs[w] - 1 + alpha) / (contexts[w[:-1]] - 1 + alpha * v))
+                    for w in (tuple(train[i:i + n]) for i in range(len(train) - n + 1))) / (len(train) - n + 1)
+    assert model.counted_loss(leave_one_out=True) == pytest.approx(expected, rel=1e-12)
+    assert model.counted_loss(leave_one_out=True) > model.counted_loss()
+    with pytest.raises(TypeError, match="leave_one_out must be True or False"):
+        model.counted_loss(leave_one_out=1)
+
+
+def test_ngram_with_alpha_equals_refitting():
+    g = torch.Generator().manual_seed(3)
+    train, val = torch.randint(0, 6, (300,), generator=g), torch.randint(0, 6, (80,), generator=g)
+    model = NGramLM.fit(train, 6, 4, alpha=1.0)
+    assert model.with_alpha(0.05).loss(val) == pytest.approx(NGramLM.fit(train, 6, 4, alpha=0.05).loss(val),
+                                                             rel=1e-12)
+    assert model.alpha == 1.0
+    with pytest.raises(ValueError, match="alpha must be a positive"):
+        model.with_alpha(0)
+
+
+@pytest.mark.parametrize("length, vocab, orders", [(500, 4, [2, 3, 5, 7]), (9, 3, [1, 4, 9]), (60, 2, [6, 6, 3])])
+def test_ngram_fit_orders_equals_fitting_each_order(length, vocab, orders):
+    ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(length))
+    models = NGramLM.fit_orders(ids, vocab, orders, alpha=0.2)
+    assert sorted(models) == sorted(set(orders))
+    for n, model in models.items():
+        alone = NGramLM.fit(ids, vocab, n, alpha=0.2)
+        for name in ("context_keys", "context_counts", "pair_keys", "pair_counts"):
+            assert torch.equal(getattr(model, name), getattr(alone, name)), (n, name)
+        assert model.n == n and model.alpha == 0.2
+
+
+def test_ngram_fit_orders_rejects_bad_orders():
+    with pytest.raises(ValueError, match="at least one n"):
+        NGramLM.fit_orders([0, 1, 0], 2, [])
+    with pytest.raises(ValueError, match="every n in orders"):
+        NGramLM.fit_orders([0, 1, 0], 2, [2, 4])
+    with pytest.raises(ValueError, match="every n in orders"):
+        NGramLM.fit_orders([0, 1, 0], 2, [2.0])

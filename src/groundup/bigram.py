@@ -182,6 +182,41 @@ class NGramLM:
         context_counts = torch.zeros(len(context_keys), dtype=torch.long).index_add_(0, inverse, pair_counts)
         return cls(n, vocab_size, context_keys, context_counts, pair_keys, pair_counts, alpha=alpha)
 
+    @classmethod
+    def fit_orders(cls, ids: Sequence[int] | torch.Tensor, vocab_size: int, orders, *,
+                   alpha: float = 1.0) -> dict[int, NGramLM]:
+        """``{n: NGramLM.fit(ids, vocab_size, n, alpha=alpha) for n in orders}``, with one sort instead of one per n.
+
+        The windows of the largest order are sorted once; dropping the last ``k`` tokens of every sorted key keeps
+        the order, so each smaller order's counts are one pass over the sorted keys plus the few windows near the
+        end of ``ids`` that the longest windows do not reach.
+        """
+        vocab_size = _count("vocab_size", vocab_size, minimum=1)
+        ids = _as_ids(ids, vocab_size)
+        orders = list(orders)
+        if not orders:
+            raise ValueError("orders must hold at least one n")
+        for n in orders:
+            if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1 or len(ids) < n:
+                raise ValueError(f"every n in orders must be an integer in [1, len(ids)] = [1, {len(ids)}], got {n!r}")
+        top = int(max(orders))
+        if vocab_size ** top >= 2**63:
+            raise ValueError(f"n = {top} is too large for vocab_size = {vocab_size}: the n-gram keys overflow int64")
+        sorted_top = cls._keys(ids, top, vocab_size).sort().values
+        models = {}
+        for n in dict.fromkeys(int(n) for n in orders):
+            keys, counts = (sorted_top // vocab_size ** (top - n)).unique_consecutive(return_counts=True)
+            if top > n:  # the windows of n tokens that start after the last window of top tokens
+                tail_keys, tail_counts = cls._keys(ids[len(ids) - top + 1:], n, vocab_size).unique(return_counts=True)
+                keys, order = torch.cat([keys, tail_keys]).sort(stable=True)
+                counts = torch.cat([counts, tail_counts])[order]
+                keys, inverse = keys.unique_consecutive(return_inverse=True)
+                counts = torch.zeros(len(keys), dtype=torch.long).index_add_(0, inverse, counts)
+            context_keys, inverse = (keys // vocab_size).unique_consecutive(return_inverse=True)
+            context_counts = torch.zeros(len(context_keys), dtype=torch.long).index_add_(0, inverse, counts)
+            models[n] = cls(n, vocab_size, context_keys, context_counts, keys, counts, alpha=alpha)
+        return models
+
     @staticmethod
     def _lookup(sorted_keys: torch.Tensor, counts: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         where = torch.searchsorted(sorted_keys, queries).clamp(max=len(sorted_keys) - 1)
@@ -200,3 +235,24 @@ class NGramLM:
     def loss(self, ids: Sequence[int] | torch.Tensor) -> float:
         """Mean next-token cross-entropy (nats) over the positions that have ``n - 1`` tokens before them."""
         return float(-self.log_probs(ids).mean())
+
+    def counted_loss(self, *, leave_one_out: bool = False) -> float:
+        """Mean next-token loss (nats) on the text the model was fitted on, computed from the stored counts alone.
+
+        Equal to ``loss(training_ids)`` but without a pass over the text: an n-gram seen ``k`` times with a
+        context seen ``m`` times contributes ``-k log((k + α) / (m + α n_V))``. With ``leave_one_out=True`` each
+        occurrence is instead scored by the model fitted *without* it, ``(k - 1 + α) / (m - 1 + α n_V)``: an
+        estimate of the loss on new text from the training text alone, used to choose ``α``.
+        """
+        if not isinstance(leave_one_out, bool):
+            raise TypeError(f"leave_one_out must be True or False, got {leave_one_out!r}")
+        k = self.pair_counts.double()
+        m = self._lookup(self.context_keys, self.context_counts, self.pair_keys // self.vocab_size).double()
+        held_out = 1.0 if leave_one_out else 0.0
+        log_p = torch.log((k - held_out + self.alpha) / (m - held_out + self.alpha * self.vocab_size))
+        return float(-(k * log_p).sum() / k.sum())
+
+    def with_alpha(self, alpha: float) -> NGramLM:
+        """The same counts with another smoothing ``alpha`` (no recounting)."""
+        return NGramLM(self.n, self.vocab_size, self.context_keys, self.context_counts, self.pair_keys,
+                       self.pair_counts, alpha=alpha)
