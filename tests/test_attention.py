@@ -475,3 +475,89 @@ def test_mha_and_causal_mask_accept_numpy_integers():
     mha = MultiHeadAttention(np.int64(8), np.int32(2))
     assert (mha.d_model, mha.n_heads, mha.d_head) == (8, 2, 4) and type(mha.d_head) is int
     assert torch.equal(causal_mask(np.int64(3)), causal_mask(3))
+
+
+# --- grouped-query attention and QK-norm ------------------------------------------------------------------
+
+def _gqa_reference(mha, x, mask):
+    """Explicit GQA: project, repeat each K/V head for its group, written-out softmax attention."""
+    b, n, _ = x.shape
+    h, g, dh = mha.n_heads, mha.n_kv_heads, mha.d_head
+    q = (x @ mha.W_q.weight.T + mha.W_q.bias).view(b, n, h, dh).transpose(1, 2)
+    k = (x @ mha.W_k.weight.T + mha.W_k.bias).view(b, n, g, dh).transpose(1, 2)
+    v = (x @ mha.W_v.weight.T + mha.W_v.bias).view(b, n, g, dh).transpose(1, 2)
+    idx = torch.arange(h) // (h // g)
+    k, v = k[:, idx], v[:, idx]
+    s = (q @ k.transpose(-1, -2)) / dh**0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    o = torch.softmax(s, dim=-1) @ v
+    return o.transpose(1, 2).reshape(b, n, h * dh) @ mha.W_o.weight.T + mha.W_o.bias
+
+
+@pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
+def test_gqa_matches_explicit_repeat_and_torch_enable_gqa(n_kv_heads):
+    from groundup.attention import KVCache, MultiHeadAttention, causal_mask
+
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4, n_kv_heads=n_kv_heads).double().eval()
+    assert mha.W_k.weight.shape == (4 * n_kv_heads, 16)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    mask = causal_mask(5)
+    ref = _gqa_reference(mha, x, mask)
+    torch.testing.assert_close(mha(x, mask=mask), ref, rtol=0, atol=1e-12)
+    out_w, w = mha(x, mask=mask, need_weights=True)
+    torch.testing.assert_close(out_w, ref, rtol=0, atol=1e-12)
+    assert w.shape == (2, 4, 5, 5)
+    # PyTorch's own enable_gqa path on the same projections
+    q = mha._split_heads(mha.W_q(x))
+    k, v = mha._split_heads(mha.W_k(x), n_kv_heads), mha._split_heads(mha.W_v(x), n_kv_heads)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(mha.W_o(o.transpose(1, 2).reshape(2, 5, 16)), ref, rtol=0, atol=1e-12)
+    # the cache stores only n_kv_heads heads, and incremental decoding gives the same outputs
+    cache = KVCache()
+    steps = [mha(x[:, t:t + 1], cache=cache) for t in range(5)]
+    assert cache.k.shape == (2, n_kv_heads, 5, 4)
+    torch.testing.assert_close(torch.cat(steps, dim=1), ref, rtol=0, atol=1e-12)
+
+
+def test_gqa_default_is_unchanged_and_errors():
+    from groundup.attention import MultiHeadAttention
+
+    torch.manual_seed(3)
+    a = MultiHeadAttention(12, 3)
+    torch.manual_seed(3)
+    b = MultiHeadAttention(12, 3, n_kv_heads=3)
+    x = torch.randn(1, 4, 12)
+    assert torch.equal(a(x), b(x))
+    assert a.n_kv_heads == 3 and not a.qk_norm
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        MultiHeadAttention(12, 3, n_kv_heads=2)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        MultiHeadAttention(12, 3, n_kv_heads=0)
+    with pytest.raises(TypeError, match="qk_norm"):
+        MultiHeadAttention(12, 3, qk_norm=1)
+
+
+def test_qk_norm_normalises_heads_before_rotary():
+    from groundup.attention import MultiHeadAttention, causal_mask
+    from groundup.positional import RotaryEmbedding
+
+    torch.manual_seed(4)
+    mha = MultiHeadAttention(8, 2, n_kv_heads=1, qk_norm=True, bias=False).double()
+    with torch.no_grad():
+        mha.q_norm.weight.uniform_(0.5, 1.5)
+        mha.k_norm.weight.uniform_(0.5, 1.5)
+    rope = RotaryEmbedding(4, pairing="half")
+    x = torch.randn(1, 3, 8, dtype=torch.float64)
+    pos = torch.arange(3)
+
+    def rms(t, w):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    q = rope(rms((x @ mha.W_q.weight.T).view(1, 3, 2, 4).transpose(1, 2), mha.q_norm.weight), pos)
+    k = rope(rms((x @ mha.W_k.weight.T).view(1, 3, 1, 4).transpose(1, 2), mha.k_norm.weight), pos)
+    v = (x @ mha.W_v.weight.T).view(1, 3, 1, 4).transpose(1, 2)
+    s = (q @ k.transpose(-1, -2)) / 2.0
+    s = s.masked_fill(~causal_mask(3), float("-inf"))
+    o = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(1, 3, 8) @ mha.W_o.weight.T
+    torch.testing.assert_close(mha(x, mask=causal_mask(3), rotary=rope), o, rtol=0, atol=1e-12)

@@ -358,3 +358,50 @@ def test_layers_accept_numpy_integer_sizes():
     np = pytest.importorskip("numpy")
     assert LayerNorm(np.int64(8)).d == 8 and type(RMSNorm(np.int32(8)).d) is int
     assert FeedForward(np.int64(8), np.int64(16))(torch.randn(2, 8)).shape == (2, 8)
+
+
+# --- modern FFN options ------------------------------------------------------------------------------------
+
+def test_feedforward_gelu_tanh_closed_form():
+    torch.manual_seed(0)
+    ffn = FeedForward(6, 10, activation="gelu_tanh").double()
+    x = torch.randn(2, 3, 6, dtype=torch.float64)
+    h = x @ ffn.W_in.weight.T + ffn.W_in.bias
+    phi = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+    ref = phi @ ffn.W_out.weight.T + ffn.W_out.bias
+    torch.testing.assert_close(ffn(x), ref, rtol=0, atol=1e-12)
+    assert not torch.allclose(ffn(x), FeedForward(6, 10, activation="gelu").double()(x))
+
+
+def test_feedforward_swiglu_matches_transformers_llama_mlp():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(1)
+    ref = LlamaMLP(LlamaConfig(hidden_size=8, intermediate_size=20, num_attention_heads=2,
+                                   num_key_value_heads=2, hidden_act="silu", mlp_bias=False)).double()
+    ffn = FeedForward(8, 20, activation="swiglu", bias=False).double()
+    with torch.no_grad():
+        ffn.W_gate.weight.copy_(ref.gate_proj.weight)
+        ffn.W_in.weight.copy_(ref.up_proj.weight)
+        ffn.W_out.weight.copy_(ref.down_proj.weight)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    torch.testing.assert_close(ffn(x), ref(x), rtol=0, atol=1e-12)
+    # closed form
+    closed = (F.silu(x @ ffn.W_gate.weight.T) * (x @ ffn.W_in.weight.T)) @ ffn.W_out.weight.T
+    torch.testing.assert_close(ffn(x), closed, rtol=0, atol=1e-12)
+    # 3 matrices of d_model*d_ff: d_ff = 8/3 d_model matches a 4 d_model two-matrix FFN
+    n_swiglu = sum(p.numel() for p in FeedForward(12, 32, activation="swiglu", bias=False).parameters())
+    n_gelu = sum(p.numel() for p in FeedForward(12, 48, bias=False).parameters())
+    assert n_swiglu == n_gelu == 2 * 12 * 48
+
+
+def test_feedforward_bias_false_has_no_biases():
+    for act in ("relu", "gelu", "gelu_tanh", "swiglu"):
+        ffn = FeedForward(4, 8, activation=act, bias=False)
+        assert all(not name.endswith("bias") for name, _ in ffn.named_parameters())
+    assert FeedForward(4, 8, activation="swiglu").W_gate.bias is not None
+    with pytest.raises(TypeError, match="bias"):
+        FeedForward(4, 8, bias=1)
+    with pytest.raises(ValueError, match="activation"):
+        FeedForward(4, 8, activation="silu")

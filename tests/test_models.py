@@ -287,3 +287,58 @@ def test_gpt_config_rejects_zero_heads_and_string_dropout():
         _tiny(n_heads=0)
     with pytest.raises(ValueError, match=r"dropout must be a number in \[0, 1\), got '0.1'"):
         _tiny(dropout="0.1")
+
+
+# --- modern block options in GPTConfig ----------------------------------------------------------------------
+
+def test_llama_style_gpt_builds_runs_and_generates_with_cache():
+    from groundup.generation import generate
+
+    for tie in (False, True):
+        torch.manual_seed(0)
+        c = GPTConfig(vocab_size=50, context_length=16, d_model=32, n_layers=2, n_heads=4, d_ff=88,
+                      norm="rmsnorm", activation="swiglu", positional="rope", rope_pairing="half",
+                      rope_base=500000.0, n_kv_heads=2, bias=False, tie_weights=tie, norm_eps=1e-5, qk_norm=True)
+        m = GPT(c).double().eval()
+        assert not any(n.endswith("bias") for n, _ in m.named_parameters())
+        assert m.blocks[0].attention.W_k.weight.shape == (16, 32)
+        assert m.rotary.pairing == "half" and m.rotary.base == 500000.0
+        assert m.final_norm.eps == 1e-5 and m.blocks[0].norm_1.eps == 1e-5
+        idx = torch.randint(0, 50, (2, 5))
+        logits, loss = m(idx, idx)
+        assert logits.shape == (2, 5, 50) and torch.isfinite(loss)
+        a = generate(m, idx, 8, greedy=True, use_cache=True)
+        b = generate(m, idx, 8, greedy=True, use_cache=False)
+        assert torch.equal(a, b)
+
+
+def test_parallel_block_equals_closed_form():
+    from groundup.attention import causal_mask
+    from groundup.layers import TransformerBlock
+
+    torch.manual_seed(1)
+    c = GPTConfig(d_model=16, n_heads=2, parallel_block=True, activation="gelu_tanh")
+    blk = TransformerBlock(c).double()
+    assert not hasattr(blk, "norm_2")
+    x = torch.randn(2, 4, 16, dtype=torch.float64)
+    h = blk.norm_1(x)
+    ref = x + blk.attention(h, mask=causal_mask(4)) + blk.ffn(h)
+    torch.testing.assert_close(blk(x, mask=causal_mask(4)), ref, rtol=0, atol=1e-12)
+
+
+def test_default_modern_fields_are_unchanged_behaviour():
+    torch.manual_seed(2)
+    m = GPT(GPTConfig(vocab_size=30, context_length=8, d_model=16, n_heads=2, n_layers=1))
+    names = {n for n, _ in m.named_parameters()}
+    assert "blocks.0.norm_2.weight" in names and "blocks.0.attention.W_k.bias" in names
+    assert not any("W_gate" in n or "q_norm" in n for n in names)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"activation": "tanh"}, "activation"), ({"bias": 1}, "bias"), ({"n_kv_heads": 3}, "n_kv_heads"),
+    ({"qk_norm": "yes"}, "qk_norm"), ({"parallel_block": True, "norm_position": "post"}, "parallel_block"),
+    ({"rope_pairing": "rotate"}, "rope_pairing"), ({"rope_base": 1.0}, "rope_base"), ({"norm_eps": 0}, "norm_eps"),
+])
+def test_gptconfig_modern_option_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(d_model=16, n_heads=4, **kwargs)

@@ -188,6 +188,27 @@ def test_alibi_slopes_and_bias():
                 assert B[h, t, i].item() == pytest.approx(-(2.0 ** (-8 * (h + 1) / 4)) * (t - i))
 
 
+def test_alibi_slopes_for_head_counts_that_are_not_powers_of_two():
+    # The ALiBi reference rule, written out by hand: the 2^k slopes of the largest power of two below n_heads,
+    # then the odd-numbered slopes (1st, 3rd, ...) of the 2^(k+1)-head sequence 2^(-8h/2^(k+1)).
+    expected = {
+        1: [2.0 ** -8],
+        3: [2.0 ** -4, 2.0 ** -8, 2.0 ** -2],
+        5: [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1],
+        6: [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3],
+        12: [2.0 ** -k for k in range(1, 9)] + [2.0 ** -0.5, 2.0 ** -1.5, 2.0 ** -2.5, 2.0 ** -3.5],
+    }
+    for n_heads, slopes in expected.items():
+        torch.testing.assert_close(alibi_slopes(n_heads), torch.tensor(slopes), rtol=1e-6, atol=0)
+    for n_heads in (16, 32):  # powers of two: the plain geometric sequence, as before
+        h = torch.arange(1, n_heads + 1, dtype=torch.float64)
+        torch.testing.assert_close(alibi_slopes(n_heads), (2.0 ** (-8 * h / n_heads)).float())
+    for n_heads in range(1, 40):  # distinct, in (0, 1), and the bias uses them
+        m = alibi_slopes(n_heads)
+        assert m.shape == (n_heads,) and len(set(m.tolist())) == n_heads and bool(((m > 0) & (m < 1)).all())
+    torch.testing.assert_close(alibi_bias(6, 4)[:, 3, 0], -3 * alibi_slopes(6))
+
+
 def test_alibi_rejects_bad_arguments():
     with pytest.raises(ValueError, match="n_heads must be an integer >= 1"):
         alibi_bias(0, 4)
@@ -322,3 +343,71 @@ def test_positional_sizes_accept_numpy_integers():
     assert type(emb.context_length) is int and emb.weight.shape == (8, 4)
     assert RotaryEmbedding(np.int64(4)).d_head == 4
     assert RelativePositionBias(np.int64(2), np.int64(3))(np.int64(4)).shape == (2, 4, 4)
+
+
+# --- RoPE pairings and position interpolation (modern block) -------------------------------------------------
+
+def test_rope_half_pairing_matches_transformers_llama():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from groundup.positional import RotaryEmbedding
+
+    torch.manual_seed(0)
+    d, n = 8, 6
+    rope = RotaryEmbedding(d, base=500.0, pairing="half")
+    q = torch.randn(2, 3, n, d, dtype=torch.float64)
+    k = torch.randn(2, 3, n, d, dtype=torch.float64)
+    pos = torch.arange(n)
+    inv = 1.0 / (500.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    freqs = pos.to(torch.float64)[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[None]  # [1, n, d]
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, emb.cos(), emb.sin())
+    torch.testing.assert_close(rope(q, pos), q_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(rope(k, pos), k_ref, rtol=0, atol=1e-12)
+
+
+def test_rope_pairings_agree_up_to_a_permutation():
+    from groundup.positional import RotaryEmbedding
+
+    torch.manual_seed(1)
+    d, n = 10, 7
+    x = torch.randn(3, n, d, dtype=torch.float64)
+    pos = torch.arange(n)
+    # perm[j] = interleaved index that lands at half-layout index j: j<d/2 -> 2j, j>=d/2 -> 2(j-d/2)+1
+    perm = torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))
+    inter = RotaryEmbedding(d)(x, pos)
+    half = RotaryEmbedding(d, pairing="half")(x[..., perm], pos)
+    torch.testing.assert_close(half, inter[..., perm], rtol=0, atol=1e-12)
+
+
+def test_rope_interleaved_default_unchanged_and_position_scale():
+    from groundup.positional import RotaryEmbedding
+
+    torch.manual_seed(2)
+    d, n = 8, 5
+    x = torch.randn(2, n, d, dtype=torch.float64)
+    pos = torch.arange(n)
+    rope = RotaryEmbedding(d)
+    assert torch.equal(rope(x, pos), RotaryEmbedding(d, pairing="interleaved", position_scale=1.0)(x, pos))
+    # closed form of the interleaved rotation
+    theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos.to(torch.float64)[:, None] * theta
+    ref = torch.empty_like(x)
+    ref[..., 0::2] = x[..., 0::2] * ang.cos() - x[..., 1::2] * ang.sin()
+    ref[..., 1::2] = x[..., 0::2] * ang.sin() + x[..., 1::2] * ang.cos()
+    torch.testing.assert_close(rope(x, pos), ref, rtol=0, atol=1e-12)
+    # position interpolation: scale s at position t == scale 1 at position t/s (t = 0, 4, 8, ... with s = 4)
+    scaled = RotaryEmbedding(d, position_scale=4.0)
+    torch.testing.assert_close(scaled.angles(4 * pos), rope.angles(pos), rtol=0, atol=1e-12)
+    torch.testing.assert_close(scaled(x, 4 * pos), rope(x, pos), rtol=0, atol=1e-12)
+
+
+def test_rope_option_errors():
+    from groundup.positional import RotaryEmbedding
+
+    with pytest.raises(ValueError, match="pairing"):
+        RotaryEmbedding(8, pairing="rotate")
+    with pytest.raises(ValueError, match="position_scale"):
+        RotaryEmbedding(8, position_scale=0.5)
+    with pytest.raises(TypeError, match="position_scale"):
+        RotaryEmbedding(8, position_scale="2")

@@ -241,3 +241,36 @@ def test_help_explains_the_dates_task():
     assert "--task {dates}" in train_help and "EncoderDecoder" in train_help and "exact-match" in train_help
     sample_help = " ".join(groundup("sample", "--help").stdout.split())
     assert "translates --prompt" in sample_help and "(default: 500)" in sample_help and "None" not in sample_help
+
+
+def test_sample_pretrained_argument_errors(tmp_path, capsys):
+    assert cli.main(["sample"]) == 2
+    assert "exactly one" in capsys.readouterr().err
+    assert cli.main(["sample", str(tmp_path), "--pretrained", "gpt2"]) == 2
+    assert cli.main(["sample", "--pretrained", str(tmp_path / "nowhere")]) == 1
+    assert "neither a checkpoint folder" in capsys.readouterr().err
+
+
+def test_sample_pretrained_from_a_local_gpt2_folder(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from groundup.tokenizers import load_gpt2_tokenizer
+
+    try:
+        tok = load_gpt2_tokenizer()
+    except Exception as err:  # the merge table is not cached and cannot be fetched
+        pytest.skip(f"GPT-2 tokenizer unavailable: {err}")
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=64, n_embd=8, n_layer=1, n_head=2))
+    hf.save_pretrained(tmp_path)
+    assert cli.main(["sample", "--pretrained", str(tmp_path), "--prompt", "Hello world", "--tokens", "5",
+                     "--greedy"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("Hello world")
+    from groundup.generation import generate
+    from groundup.pretrained import load_gpt2
+
+    model, _ = load_gpt2(tmp_path, tokenizer=False)
+    prompt = torch.tensor([tok.encode("Hello world")])
+    with torch.no_grad():  # the same greedy continuation, computed directly
+        ref = tok.decode(generate(model, prompt, 5, greedy=True)[0].tolist())
+    assert text == ref + "\n"

@@ -189,6 +189,23 @@ class KVCache:
         return self.k, self.v
 
 
+def _sdpa_has_gqa() -> bool:
+    import inspect
+
+    try:
+        return "enable_gqa" in inspect.signature(F.scaled_dot_product_attention).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: try it
+        try:
+            t = torch.zeros(1, 2, 1, 1)
+            F.scaled_dot_product_attention(t, t[:, :1], t[:, :1], enable_gqa=True)
+            return True
+        except TypeError:
+            return False
+
+
+_SDPA_HAS_GQA = _sdpa_has_gqa()
+
+
 def _version(t: torch.Tensor) -> int | None:
     """The in-place version counter of ``t`` (None for inference-mode tensors, which have none)."""
     try:
@@ -208,10 +225,18 @@ class MultiHeadAttention(nn.Module):
     :func:`torch.nn.functional.scaled_dot_product_attention`; with it, through
     :func:`scaled_dot_product_attention` (the written-out version), which also returns the weights. Both
     compute the same function.
+
+    ``n_kv_heads`` (grouped-query attention, Ainslie et al. 2023): ``W_k`` and ``W_v`` produce only
+    ``n_kv_heads`` heads (``n_kv_heads`` must divide ``n_heads``); query head ``h`` uses key/value head
+    ``h // (n_heads // n_kv_heads)``. ``n_kv_heads=1`` is multi-query attention (Shazeer 2019); ``None`` means
+    ``n_heads`` (ordinary multi-head attention). A :class:`KVCache` then stores only the ``n_kv_heads`` heads,
+    which is the memory saving. ``qk_norm=True`` applies an RMSNorm over ``d_head`` (one learned γ shared by
+    the heads, ``q_norm`` and ``k_norm``) to every query and key head, before the rotary embedding.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, d_head: int | None = None, bias: bool = True,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, n_kv_heads: int | None = None, qk_norm: bool = False,
+                 norm_eps: float = 1e-6):
         super().__init__()
         d_model, n_heads = _positive_int("d_model", d_model), _positive_int("n_heads", n_heads)
         if d_head is None:
@@ -227,27 +252,52 @@ class MultiHeadAttention(nn.Module):
                             f"{dropout!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if n_kv_heads is None:
+            n_kv_heads = n_heads
+        n_kv_heads = _positive_int("n_kv_heads", n_kv_heads)
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads = {n_kv_heads} must divide n_heads = {n_heads} (each key/value head "
+                             f"serves a group of n_heads / n_kv_heads query heads)")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be True or False, got {bias!r}")
+        if not isinstance(qk_norm, bool):
+            raise TypeError(f"qk_norm must be True or False, got {qk_norm!r}")
         self.d_model, self.n_heads, self.d_head, self.dropout = d_model, n_heads, d_head, dropout
-        inner = n_heads * d_head
+        self.n_kv_heads, self.qk_norm = n_kv_heads, qk_norm
+        inner, inner_kv = n_heads * d_head, n_kv_heads * d_head
         self.W_q = nn.Linear(d_model, inner, bias=bias)
-        self.W_k = nn.Linear(d_model, inner, bias=bias)
-        self.W_v = nn.Linear(d_model, inner, bias=bias)
+        self.W_k = nn.Linear(d_model, inner_kv, bias=bias)
+        self.W_v = nn.Linear(d_model, inner_kv, bias=bias)
         self.W_o = nn.Linear(inner, d_model, bias=bias)
+        if qk_norm:
+            from groundup.layers import RMSNorm  # layers imports this module: import here, at construction
+
+            self.q_norm = RMSNorm(d_head, eps=norm_eps)
+            self.k_norm = RMSNorm(d_head, eps=norm_eps)
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, d_head={self.d_head}, dropout={self.dropout}"
+        extra = "" if self.n_kv_heads == self.n_heads else f", n_kv_heads={self.n_kv_heads}"
+        extra += ", qk_norm=True" if self.qk_norm else ""
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, d_head={self.d_head}, dropout={self.dropout}"
+                f"{extra}")
 
-    def _split_heads(self, t: torch.Tensor) -> torch.Tensor:
+    def _split_heads(self, t: torch.Tensor, n_heads: int | None = None) -> torch.Tensor:
         """``(batch, seq, n_heads * d_head) -> (batch, n_heads, seq, d_head)``."""
         b, n, _ = t.shape
-        return t.view(b, n, self.n_heads, self.d_head).transpose(1, 2)
+        return t.view(b, n, self.n_heads if n_heads is None else n_heads, self.d_head).transpose(1, 2)
+
+    def _expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """Repeat each of the ``n_kv_heads`` key/value heads for its group of query heads."""
+        group = self.n_heads // self.n_kv_heads
+        return t if group == 1 else t.repeat_interleave(group, dim=-3)
 
     def _project(self, x: torch.Tensor, context: torch.Tensor | None, need_kv: bool):
         """Queries from ``x``, keys and values from ``context`` (or ``x``); one fused matmul when possible."""
         if context is None and need_kv:  # self-attention: one (d_model -> 3 * inner) matmul instead of three
             w = torch.cat([self.W_q.weight, self.W_k.weight, self.W_v.weight])
             b = None if self.W_q.bias is None else torch.cat([self.W_q.bias, self.W_k.bias, self.W_v.bias])
-            return F.linear(x, w, b).chunk(3, dim=-1)
+            inner, inner_kv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+            return F.linear(x, w, b).split([inner, inner_kv, inner_kv], dim=-1)
         q = self.W_q(x)
         if not need_kv:
             return q, None, None
@@ -315,7 +365,11 @@ class MultiHeadAttention(nn.Module):
             raise
         q = self._split_heads(q)
         if k is not None:
-            k, v = self._split_heads(k), self._split_heads(v)
+            k, v = self._split_heads(k, self.n_kv_heads), self._split_heads(v, self.n_kv_heads)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            if k is not None:
+                k = self.k_norm(k)
         if rotary is not None:
             if context is not None:
                 raise ValueError("rotary embeddings are for self-attention; got a context (cross-attention)")
@@ -333,6 +387,7 @@ class MultiHeadAttention(nn.Module):
             else:
                 k, v = cache.append(k, v)
         if need_weights:
+            k, v = self._expand_kv(k), self._expand_kv(v)
             weights = attention_weights(q, k, mask=mask, bias=attn_bias)
             dropped = F.dropout(weights, self.dropout) if self.training and self.dropout > 0 else weights
             heads = dropped @ v
@@ -352,4 +407,9 @@ class MultiHeadAttention(nn.Module):
         else:
             attn_mask = mask
         dropout_p = self.dropout if self.training else 0.0
+        if self.n_kv_heads != self.n_heads:
+            if _SDPA_HAS_GQA:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                      enable_gqa=True)
+            k, v = self._expand_kv(k), self._expand_kv(v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)

@@ -22,7 +22,7 @@ from groundup.attention import MultiHeadAttention
 
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 
 
 def _check_last_dim(x: torch.Tensor, d: int, name: str) -> None:
@@ -106,30 +106,47 @@ class RMSNorm(nn.Module):
         return f"{self.d}, eps={self.eps}"
 
 
-def make_norm(kind: str, d: int) -> nn.Module:
-    """The norm named by ``kind`` ("layernorm" or "rmsnorm") for vectors of size ``d``."""
+def make_norm(kind: str, d: int, eps: float | None = None) -> nn.Module:
+    """The norm named by ``kind`` ("layernorm" or "rmsnorm") for vectors of size ``d``.
+
+    ``eps`` None keeps each norm's own default (LayerNorm 1e-5, RMSNorm 1e-6).
+    """
+    kwargs = {} if eps is None else {"eps": eps}
     if kind == "layernorm":
-        return LayerNorm(d)
+        return LayerNorm(d, **kwargs)
     if kind == "rmsnorm":
-        return RMSNorm(d)
+        return RMSNorm(d, **kwargs)
     raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
 
 
 class FeedForward(nn.Module):
     """FFN(x) = W_out φ(W_in x + β_in) + β_out, applied to every position separately and identically.
 
-    ``W_in`` maps d_model → d_ff (the hidden size d_FFN), ``W_out`` maps back; φ is ReLU or (exact, erf) GELU.
+    ``W_in`` maps d_model → d_ff (the hidden size d_FFN), ``W_out`` maps back. ``activation`` chooses φ:
+
+    * ``"relu"``; ``"gelu"`` (exact, x Φ(x) with the erf); ``"gelu_tanh"`` (the tanh approximation
+      ``0.5 x (1 + tanh(sqrt(2/π)(x + 0.044715 x^3)))`` that GPT-2 uses, ``F.gelu(approximate="tanh")``);
+    * ``"swiglu"`` (Shazeer 2020, as in LLaMA): a third matrix ``W_gate`` (d_model → d_ff) and
+      ``FFN(x) = W_out (silu(W_gate x + β_gate) ⊙ (W_in x + β_in)) + β_out``. It has 3 d_model d_ff weights
+      instead of 2, so ``d_ff ≈ 8/3 d_model`` keeps the parameter count of a 4 d_model GELU FFN.
+
+    ``bias=False`` removes every bias (LLaMA has none).
     """
 
-    def __init__(self, d_model: int, d_ff: int, *, activation: str = "gelu", dropout: float = 0.0):
+    def __init__(self, d_model: int, d_ff: int, *, activation: str = "gelu", dropout: float = 0.0,
+                 bias: bool = True):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be True or False, got {bias!r}")
         d_model, d_ff = _positive_int("d_model", d_model), _positive_int("d_ff", d_ff)
         _check_dropout(dropout)
         self.d_model, self.d_ff, self.activation = d_model, d_ff, activation
-        self.W_in = nn.Linear(d_model, d_ff)  # weight [d_ff, d_model], bias β_in
-        self.W_out = nn.Linear(d_ff, d_model)  # weight [d_model, d_ff], bias β_out
+        if activation == "swiglu":
+            self.W_gate = nn.Linear(d_model, d_ff, bias=bias)  # weight [d_ff, d_model]
+        self.W_in = nn.Linear(d_model, d_ff, bias=bias)  # weight [d_ff, d_model], bias β_in
+        self.W_out = nn.Linear(d_ff, d_model, bias=bias)  # weight [d_model, d_ff], bias β_out
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,8 +155,18 @@ class FeedForward(nn.Module):
             h = self.W_in(x)
         except RuntimeError as err:
             raise _dtype_error("FeedForward", x, self.W_in.weight, err) from err
-        h = F.relu(h) if self.activation == "relu" else F.gelu(h)
+        if self.activation == "relu":
+            h = F.relu(h)
+        elif self.activation == "gelu":
+            h = F.gelu(h)
+        elif self.activation == "gelu_tanh":
+            h = F.gelu(h, approximate="tanh")
+        else:
+            h = F.silu(self.W_gate(x)) * h
         return self.dropout(self.W_out(h))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
 
 
 def _check_stream(x, d_model: int, name: str) -> None:
@@ -167,6 +194,8 @@ def _check_config(config) -> None:
         raise ValueError(f"norm_position must be one of {NORM_POSITIONS}, got {config.norm_position!r}")
     if config.norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {config.norm!r}")
+    if getattr(config, "parallel_block", False) and config.norm_position != "pre":
+        raise ValueError("parallel_block=True needs norm_position='pre' (x + Attn(LN(x)) + FFN(LN(x)))")
 
 
 class TransformerBlock(nn.Module):
@@ -175,16 +204,28 @@ class TransformerBlock(nn.Module):
     ``config.norm_position`` chooses Post-LN ("post", the seeds' equations) or Pre-LN ("pre"); ``config.norm``
     chooses LayerNorm or RMSNorm. Masks and positional information are passed to :meth:`forward`, so the same
     block serves a causal decoder (GPT) and a bidirectional encoder.
+
+    Optional config fields (read with defaults, so older configs still work): ``activation``, ``bias`` (all
+    linear layers), ``n_kv_heads`` and ``qk_norm`` (see :class:`MultiHeadAttention`), ``norm_eps`` and
+    ``parallel_block``: attention and FFN read the same normalised stream and both write to it,
+    ``x + Attn(LN(x)) + FFN(LN(x))`` with one norm (GPT-J, PaLM; Pre-LN only; the block has no ``norm_2``).
     """
 
     def __init__(self, config):
         super().__init__()
         _check_config(config)
         self.norm_position, self.d_model = config.norm_position, config.d_model
-        self.norm_1 = make_norm(config.norm, config.d_model)
-        self.attention = MultiHeadAttention(config.d_model, config.n_heads, dropout=config.dropout)
-        self.norm_2 = make_norm(config.norm, config.d_model)
-        self.ffn = FeedForward(config.d_model, config.d_ff, activation=getattr(config, "activation", "gelu"))
+        self.parallel = getattr(config, "parallel_block", False)
+        bias, eps = getattr(config, "bias", True), getattr(config, "norm_eps", None)
+        self.norm_1 = make_norm(config.norm, config.d_model, eps)
+        attn_kwargs = {} if eps is None else {"norm_eps": eps}
+        self.attention = MultiHeadAttention(config.d_model, config.n_heads, dropout=config.dropout, bias=bias,
+                                            n_kv_heads=getattr(config, "n_kv_heads", None),
+                                            qk_norm=getattr(config, "qk_norm", False), **attn_kwargs)
+        if not self.parallel:
+            self.norm_2 = make_norm(config.norm, config.d_model, eps)
+        self.ffn = FeedForward(config.d_model, config.d_ff, activation=getattr(config, "activation", "gelu"),
+                               bias=bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, *, mask=None, attn_bias=None, rotary=None, positions=None,
@@ -195,7 +236,10 @@ class TransformerBlock(nn.Module):
             return self.dropout(self.attention(h, mask=mask, attn_bias=attn_bias, rotary=rotary,
                                                positions=positions, cache=cache))
 
-        if self.norm_position == "pre":
+        if self.parallel:
+            h = self.norm_1(x)
+            x = x + attend(h) + self.dropout(self.ffn(h))
+        elif self.norm_position == "pre":
             x = x + attend(self.norm_1(x))  # read (normalised) from the stream, write the result back
             x = x + self.dropout(self.ffn(self.norm_2(x)))
         else:

@@ -56,6 +56,35 @@ def _check_block_options(config, positionals: tuple) -> None:
     if not isinstance(config.tie_weights, bool):
         raise ValueError(f"tie_weights must be True or False, got {config.tie_weights!r}")
 
+def _check_modern_options(config) -> None:
+    """Checks for GPTConfig's modern-block fields (activation, bias, GQA, QK-norm, parallel, RoPE, eps)."""
+    from groundup.layers import ACTIVATIONS
+    from groundup.positional import ROPE_PAIRINGS
+
+    if config.activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {config.activation!r}")
+    for name in ("bias", "qk_norm", "parallel_block"):
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(config, name)!r}")
+    if config.n_kv_heads is not None:
+        k = config.n_kv_heads
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1 or config.n_heads % k:
+            raise ValueError(f"n_kv_heads must be None or a positive integer dividing n_heads ({config.n_heads}), "
+                             f"got {k!r}")
+        config.n_kv_heads = int(k)
+    if config.parallel_block and config.norm_position != "pre":
+        raise ValueError("parallel_block=True needs norm_position='pre'")
+    if config.rope_pairing not in ROPE_PAIRINGS:
+        raise ValueError(f"rope_pairing must be one of {ROPE_PAIRINGS}, got {config.rope_pairing!r}")
+    base = config.rope_base
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or base <= 1:
+        raise ValueError(f"rope_base must be a finite number > 1, got {base!r}")
+    eps = config.norm_eps
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)
+                            or not math.isfinite(eps) or eps <= 0):
+        raise ValueError(f"norm_eps must be None or a positive number, got {eps!r}")
+
+
 def _check_targets(targets, inputs: torch.Tensor, name: str) -> None:
     """Targets must be an integer tensor of token ids shaped like the model's ``inputs`` (called ``name``)."""
     if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point \
@@ -90,6 +119,14 @@ class GPTConfig:
     norm_position: str = "pre"
     dropout: float = 0.0
     tie_weights: bool = True
+    activation: str = "gelu"  # FFN φ: "relu", "gelu", "gelu_tanh" (GPT-2) or "swiglu" (LLaMA)
+    bias: bool = True  # biases in every linear layer (LLaMA: False)
+    n_kv_heads: int | None = None  # grouped-query attention; None = n_heads
+    qk_norm: bool = False  # RMSNorm of each query and key head
+    parallel_block: bool = False  # x + Attn(LN(x)) + FFN(LN(x)) (GPT-J, PaLM)
+    rope_pairing: str = "interleaved"  # "half" for LLaMA / GPT-NeoX checkpoints
+    rope_base: float = 10000.0
+    norm_eps: float | None = None  # None keeps each norm's default
 
     def __post_init__(self):
         if self.d_ff is None:
@@ -101,6 +138,7 @@ class GPTConfig:
             if type(value) is not int:  # a NumPy integer, say: store the plain int
                 setattr(self, name, int(value))
         _check_block_options(self, POSITIONALS)
+        _check_modern_options(self)
 
     @property
     def d_head(self) -> int:
@@ -137,11 +175,11 @@ class GPT(nn.Module):
         elif c.positional == "alibi":
             self.register_buffer("alibi", alibi_bias(c.n_heads, c.context_length), persistent=False)
         elif c.positional == "rope":
-            self.rotary = RotaryEmbedding(c.d_head)
+            self.rotary = RotaryEmbedding(c.d_head, base=c.rope_base, pairing=c.rope_pairing)
         self.dropout = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(TransformerBlock(c) for _ in range(c.n_layers))
         # Post-LN blocks already end in a norm; Pre-LN leaves the stream unnormalised, so normalise once more.
-        self.final_norm = make_norm(c.norm, c.d_model) if c.norm_position == "pre" else nn.Identity()
+        self.final_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.norm_position == "pre" else nn.Identity()
         self.unembedding = Unembedding(c.d_model, c.vocab_size, tied_to=self.token_embedding if c.tie_weights
                                        else None)
         self._init_weights()

@@ -204,14 +204,25 @@ class RelativePositionBias(nn.Module):
 
 
 def alibi_slopes(n_heads: int) -> Tensor:
-    """ALiBi's head slopes ``m_h = 2^(-8h/n_heads)``, h = 1..n_heads (a geometric sequence), float32.
+    """ALiBi's head slopes (Press et al. 2022), float32 of shape ``[n_heads]``.
 
-    This is the paper's formula for a power-of-two number of heads; we use it for every ``n_heads`` (the
-    paper interleaves two such sequences otherwise).
+    For a power of two ``n_heads`` they are the geometric sequence ``m_h = 2^(-8h/n_heads)``, h = 1..n_heads.
+    For any other ``n_heads`` we follow the rule of the ALiBi reference code: take the ``2^k`` slopes of the
+    largest power of two ``2^k < n_heads``, then append every other slope (the 1st, 3rd, 5th, ...) of the
+    ``2^(k+1)``-head sequence until there are ``n_heads`` (for 12 heads: the 8 slopes ``2^-1 .. 2^-8``, then
+    ``2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5``).
     """
     n_heads = _check_int("n_heads", n_heads)
-    h = torch.arange(1, n_heads + 1, dtype=torch.float64)
-    return (2.0 ** (-8.0 * h / n_heads)).to(torch.float32)
+
+    def geometric(n: int) -> Tensor:
+        h = torch.arange(1, n + 1, dtype=torch.float64)
+        return 2.0 ** (-8.0 * h / n)
+
+    power = 1 << (n_heads.bit_length() - 1)  # the largest power of two <= n_heads
+    slopes = geometric(power)
+    if power < n_heads:
+        slopes = torch.cat([slopes, geometric(2 * power)[0::2][: n_heads - power]])
+    return slopes.to(torch.float32)
 
 
 def alibi_bias(n_heads: int, n: int) -> Tensor:
@@ -232,6 +243,9 @@ def alibi_bias(n_heads: int, n: int) -> Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 
+ROPE_PAIRINGS = ("interleaved", "half")
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoPE, Su et al. 2021) for per-head vectors of size ``d_head``.
 
@@ -243,16 +257,36 @@ class RotaryEmbedding(nn.Module):
         out[2i+1] = x[2i] sin(t theta_i) + x[2i+1] cos(t theta_i)
 
     so ``<R_t q, R_i k> = q^T R_{i-t} k`` depends on positions only through the offset. No parameters.
+
+    Options:
+
+    * ``pairing="half"`` rotates the pairs ``(i, i + d_head/2)`` instead ("rotate-half", the convention of the
+      LLaMA and GPT-NeoX Hugging Face code). It equals the interleaved rotation conjugated by the fixed
+      permutation of head dimensions that sends ``2i -> i`` and ``2i+1 -> i + d_head/2``; a checkpoint trained
+      with one convention must be run with the same one (or have its W_Q, W_K rows permuted).
+    * ``position_scale`` s >= 1: position interpolation (Chen et al. 2023) uses the angles ``(t / s) theta_i``,
+      so a model trained on n positions sees positions ``0..s n`` inside its trained angle range.
+    * NTK-aware scaling is just a larger ``base`` (``base * s^(d_head/(d_head-2))`` in its usual form): it
+      stretches the low frequencies a lot and the high ones hardly at all.
     """
 
     inv_freq: Tensor
 
-    def __init__(self, d_head: int, *, base: float = 10000.0):
+    def __init__(self, d_head: int, *, base: float = 10000.0, pairing: str = "interleaved",
+                 position_scale: float = 1.0):
         super().__init__()
         d_head = _check_even("d_head", d_head)
         _check_base(base)
+        if pairing not in ROPE_PAIRINGS:
+            raise ValueError(f"pairing must be one of {ROPE_PAIRINGS}, got {pairing!r}")
+        if isinstance(position_scale, bool) or not isinstance(position_scale, (int, float)):
+            raise TypeError(f"position_scale must be a number >= 1, got {type(position_scale).__name__}")
+        if not math.isfinite(position_scale) or position_scale < 1.0:
+            raise ValueError(f"position_scale must be a finite number >= 1, got {position_scale!r}")
         self.d_head = d_head
         self.base = float(base)
+        self.pairing = pairing
+        self.position_scale = float(position_scale)
         self.register_buffer("inv_freq", _frequencies(d_head, self.base), persistent=False)
 
     def angles(self, positions: Tensor) -> Tensor:
@@ -260,7 +294,10 @@ class RotaryEmbedding(nn.Module):
         _check_positions(positions)
         if positions.dim() != 1:
             raise ValueError(f"positions must have shape (seq,), got {tuple(positions.shape)}")
-        return positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        t = positions.to(torch.float64)
+        if self.position_scale != 1.0:
+            t = t / self.position_scale
+        return t[:, None] * self.inv_freq.to(positions.device)[None, :]
 
     def apply_rotary(self, x: Tensor, positions: Tensor) -> Tensor:
         """Rotate ``x`` of shape ``(..., seq, d_head)`` at integer ``positions`` of shape ``(seq,)``."""
@@ -273,6 +310,10 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"positions must have one entry per sequence position: x has seq={x.shape[-2]}, "
                              f"positions has {angles.shape[0]}")
         cos, sin = torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype)
+        if self.pairing == "half":
+            half = self.d_head // 2
+            x_a, x_b = x[..., :half], x[..., half:]
+            return torch.cat((x_a * cos - x_b * sin, x_a * sin + x_b * cos), dim=-1)
         x_even, x_odd = x[..., 0::2], x[..., 1::2]
         out = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
         return out.flatten(-2)
@@ -281,4 +322,7 @@ class RotaryEmbedding(nn.Module):
         return self.apply_rotary(x, positions)
 
     def extra_repr(self) -> str:
-        return f"d_head={self.d_head}, base={self.base}"
+        extra = f", pairing={self.pairing!r}" if self.pairing != "interleaved" else ""
+        if self.position_scale != 1.0:
+            extra += f", position_scale={self.position_scale}"
+        return f"d_head={self.d_head}, base={self.base}{extra}"

@@ -426,7 +426,11 @@ def add_sample_parser(sub) -> None:
                     "trained with --task dates (an encoder-decoder, chapter 10) instead translates --prompt, a date "
                     "in words, to ISO 8601 with greedy decoding and prints it; the sampling options do not apply "
                     "to it.")
-    p.add_argument("run", metavar="DIR", help="a run folder (holds checkpoint.pt and tokenizer.json)")
+    p.add_argument("run", metavar="DIR", nargs="?", help="a run folder (holds checkpoint.pt and tokenizer.json)")
+    p.add_argument("--pretrained", metavar="NAME_OR_DIR",
+                   help="sample from GPT-2's published weights instead of a run: gpt2, gpt2-medium, ... (downloaded "
+                        "with huggingface_hub when the network allows) or a local folder with config.json and "
+                        "model.safetensors; --tokens then counts GPT-2 tokens (default: 100)")
     p.add_argument("--prompt", help="the text to continue (default: a newline); with a --task dates run, the date "
                                     f"in words to translate, e.g. \"{DATES_EXAMPLE}\"")
     p.add_argument("--tokens", type=int, help="how many new tokens (characters) to generate (default: 500)")
@@ -438,6 +442,38 @@ def add_sample_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available, else cpu)")
     p.set_defaults(handler=sample_command)
+
+
+def _sample_pretrained(args) -> int:
+    """``groundup sample --pretrained gpt2``: continue ``--prompt`` with GPT-2's published weights."""
+    from groundup.generation import generate
+    from groundup.pretrained import load_gpt2
+    from groundup.utils import default_device
+
+    try:
+        device = torch.device(args.device) if args.device else default_device()
+        model, tokenizer = load_gpt2(args.pretrained)
+        model = model.to(device)
+        ids = tokenizer.encode(args.prompt) if args.prompt else [model.config.vocab_size - 1]  # <|endoftext|>
+        n_new = 100 if args.tokens is None else args.tokens
+        if len(ids) + n_new > model.config.context_length:
+            raise ValueError(f"prompt ({len(ids)} tokens) + --tokens {n_new} exceeds GPT-2's context of "
+                             f"{model.config.context_length} tokens")
+        prompt = torch.tensor([ids], dtype=torch.long, device=device)
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+        out = generate(model, prompt, n_new, temperature=0.8 if args.temperature is None else args.temperature,
+                       top_k=args.top_k, top_p=args.top_p, greedy=args.greedy, use_cache=not args.no_cache,
+                       generator=generator)
+        text = tokenizer.decode(out[0].tolist()[0 if args.prompt else 1:])
+    except (ValueError, TypeError, FileNotFoundError, ConnectionError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        sys.stderr.close()
+    return 0
 
 
 def _translate(folder: Path, model: EncoderDecoder, args, device) -> str:
@@ -467,6 +503,11 @@ def sample_command(args) -> int:
     from groundup.generation import generate
     from groundup.utils import default_device
 
+    if (args.run is None) == (getattr(args, "pretrained", None) is None):
+        print("error: give either a run folder DIR or --pretrained NAME_OR_DIR (exactly one)", file=sys.stderr)
+        return 2
+    if args.pretrained is not None:
+        return _sample_pretrained(args)
     folder = Path(args.run).expanduser()
     try:
         if not (folder / CHECKPOINT_NAME).is_file():
