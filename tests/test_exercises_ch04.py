@@ -46,7 +46,11 @@ def shift_matrix(delta, d_model):
 
 
 def half_life(n_heads):
-    slopes = [2.0 ** (-8 * h / n_heads) for h in range(1, n_heads + 1)]
+    def geometric(n):
+        return [2.0 ** (-8 * h / n) for h in range(1, n + 1)]  # (4.7) for a power of two n
+
+    power = 2 ** int(math.log2(n_heads))  # the largest power of two <= n_heads
+    slopes = geometric(power) + geometric(2 * power)[0::2][: n_heads - power]  # the reference rule otherwise
     return [math.log(2) / m for m in slopes]  # exp(-m * distance) = 1/2
 
 
@@ -113,6 +117,10 @@ def half_life_reversed(n_heads):
     return half_life(n_heads)[::-1]
 
 
+def half_life_geometric_only(n_heads):
+    return [math.log(2) / 2.0 ** (-8 * h / n_heads) for h in range(1, n_heads + 1)]
+
+
 def half_life_times_slope(n_heads):
     return [math.log(2) * 2.0 ** (-8 * h / n_heads) for h in range(1, n_heads + 1)]
 
@@ -154,6 +162,7 @@ def test_stub_is_not_attempted(checker, capsys):
     (check_shift_matrix, lambda delta, d: shift_matrix(delta, 4), "Use the arguments"),
     (check_alibi_half_life, half_life_inverse_slope, "ln 2 / m_h"),
     (check_alibi_half_life, half_life_from_zero, "from h = 1"),
+    (check_alibi_half_life, half_life_geometric_only, "not a power of two"),
     (check_alibi_half_life, half_life_reversed, "reverse order"),
     (check_alibi_half_life, half_life_times_slope, "multiplied by the slope"),
     (check_alibi_half_life, lambda n: [0.5] * (n + 1), "expected"),

@@ -153,7 +153,7 @@ def check_alibi_half_life(fn: Callable) -> Verdict:
             expected = math.log(2) / slopes
             h = torch.arange(n_heads, dtype=torch.float64)
             hint = ("The weight is proportional to exp(s - m_h * distance); it halves when m_h * distance = ln 2. "
-                    "Head h = 1..n_heads has slope m_h = 2**(-8h/n_heads).")
+                    "Head h = 1..n_heads has slope m_h = 2**(-8h/n_heads) when n_heads is a power of two.")
             if _close(got, 1 / slopes, atol=1e-6):
                 hint = "1/m_h is where the bias reaches -1 (weight / e). For a factor 1/2 you need ln 2 / m_h."
             elif _close(got, math.log(2) * 2.0 ** (8 * h / n_heads), atol=1e-6):
@@ -162,6 +162,10 @@ def check_alibi_half_life(fn: Callable) -> Verdict:
                 hint = "Your heads are in the reverse order: head 1 has the steepest slope, so the shortest reach."
             elif _close(got, math.log(2) * slopes, atol=1e-6):
                 hint = "You multiplied by the slope; the distance is ln 2 divided by the slope."
+            elif n_heads & (n_heads - 1) and _close(got, math.log(2) * 2.0 ** (8 * (h + 1) / n_heads), atol=1e-6):
+                hint = (f"{n_heads} is not a power of two, so the slopes are not 2**(-8h/n_heads): take the 8 "
+                        "slopes of 8 heads, then every other slope (the 1st, 3rd, ...) of the 16-head sequence, "
+                        "as the chapter's ALiBi section does (groundup.positional.alibi_slopes).")
             expect_close(got, expected, f"half_life({n_heads})", hint, rtol=1e-6, atol=1e-9)
 
     return run_checks("Exercise 4.4 (ALiBi's reach)", checks,
