@@ -47,6 +47,14 @@ def attention_unscaled(q, k, v, mask=None):
     return weights @ v, weights
 
 
+def attention_divided_by_d_k(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) / q.shape[-1]  # d_k instead of sqrt(d_k)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return weights @ v, weights
+
+
 def attention_mask_after_softmax(q, k, v, mask=None):
     weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
     if mask is not None:
@@ -85,6 +93,7 @@ def mha_parameters_square(d_model, n_heads, d_head):
 CASES = [
     (check_attention, attention, [
         (attention_unscaled, "sqrt"),
+        (attention_divided_by_d_k, r"divided by d_k = 16, not by sqrt\(d_k\) = 4"),
         (attention_mask_after_softmax, "Mask before normalising"),
         (attention_softmax_over_queries, "last dimension"),
     ]),

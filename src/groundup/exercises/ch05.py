@@ -35,6 +35,7 @@ def check_attention(fn: Callable) -> Verdict:
         mask = torch.ones(4, 6, dtype=torch.bool).tril(diagonal=2)
         scores = q @ k.transpose(-2, -1)
         unscaled = torch.softmax(scores, dim=-1)
+        over_d_k = torch.softmax(scores / 16.0, dim=-1)  # the common slip: dividing by d_k instead of sqrt(d_k)
         expected_weights = torch.softmax(scores / 4.0, dim=-1)
         expected_out = F.scaled_dot_product_attention(q, k, v)
         expected_masked_out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -54,6 +55,11 @@ def check_attention(fn: Callable) -> Verdict:
         if torch.allclose(weights.detach().double(), unscaled, atol=1e-5):
             expect(False, "the weights equal softmax(q kᵀ) without the scaling",
                    "Divide the scores by sqrt(d_k) = sqrt(q.shape[-1]) before the softmax (equation 5.4).")
+        if torch.allclose(weights.detach().double(), over_d_k, atol=1e-5):
+            expect(False, "the weights equal softmax(q kᵀ / d_k): the scores were divided by d_k = 16, not by "
+                   "sqrt(d_k) = 4",
+                   "Scale by 1/sqrt(d_k) (math.sqrt(q.shape[-1])), not 1/d_k: sqrt(d_k) is what brings the scores' "
+                   "variance d_k back to 1 (equation 5.8).")
         expect_close(weights.sum(-1), torch.ones(2, 4), "the sums of each query's weights over the keys",
                      "Take the softmax over the keys, the last dimension (dim=-1).")
         expect_close(weights, expected_weights, "weights for q, k of shape (2, 4|6, 16)",
