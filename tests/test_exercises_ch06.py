@@ -4,7 +4,13 @@ answers with a helpful message, and treats the unattempted stub kindly."""
 import pytest
 import torch
 
-from groundup.exercises.ch06 import check_layer_norm, check_parameter_count, check_pre_ln_block, check_rms_norm
+from groundup.exercises.ch06 import (
+    check_layer_norm,
+    check_parameter_count,
+    check_pre_ln_block,
+    check_rms_norm,
+    check_swiglu,
+)
 
 # --- reference solutions (the same code as the notebook's hidden solution cells) ---------------------------
 
@@ -38,6 +44,10 @@ def count_parameters(c):
     if not c.tie_weights:
         total += c.vocab_size * d
     return total
+
+
+def swiglu(x, W_gate, W_in, W_out):
+    return (torch.nn.functional.silu(x @ W_gate.T) * (x @ W_in.T)) @ W_out.T
 
 
 def stub(*args):
@@ -97,6 +107,18 @@ def count_float(c):
     return float(count_parameters(c))
 
 
+def swiglu_silu_on_up(x, W_gate, W_in, W_out):
+    return ((x @ W_gate.T) * torch.nn.functional.silu(x @ W_in.T)) @ W_out.T
+
+
+def swiglu_sigmoid(x, W_gate, W_in, W_out):
+    return (torch.sigmoid(x @ W_gate.T) * (x @ W_in.T)) @ W_out.T
+
+
+def swiglu_plain_ffn(x, W_gate, W_in, W_out):
+    return torch.nn.functional.silu(x @ W_in.T) @ W_out.T
+
+
 # --- tests ----------------------------------------------------------------------------------------------------
 
 CHECKERS = [
@@ -104,6 +126,7 @@ CHECKERS = [
     (check_rms_norm, rms_norm),
     (check_pre_ln_block, pre_ln_block),
     (check_parameter_count, count_parameters),
+    (check_swiglu, swiglu),
 ]
 
 
@@ -131,6 +154,9 @@ def test_stub_is_not_attempted(checker, solution, capsys):
     (check_parameter_count, count_forgets_tying, "count it once"),
     (check_parameter_count, count_always_final_norm, "only Pre-LN has a final norm"),
     (check_parameter_count, count_float, "Return a Python int"),
+    (check_swiglu, swiglu_silu_on_up, "SiLU goes on the gate"),
+    (check_swiglu, swiglu_sigmoid, "not sigmoid(z) alone"),
+    (check_swiglu, swiglu_plain_ffn, "That is a plain FFN"),
 ])
 def test_wrong_answers_are_rejected_with_a_hint(checker, wrong, hint, capsys):
     assert checker(wrong).passed is False
@@ -166,3 +192,19 @@ def test_a_block_that_zeroes_its_parameters_fails(capsys):
 
     assert not check_pre_ln_block(zero_block)
     assert "changed its input block in place" in capsys.readouterr().out
+
+
+def test_swiglu_solution_equals_the_llama_mlp_of_transformers():
+    """The reference solution is the FFN of LLaMA as the transformers library implements it."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=8, intermediate_size=20, num_attention_heads=2, num_key_value_heads=2,
+                         hidden_act="silu", mlp_bias=False)
+    mlp = LlamaMLP(config).double()
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    expected = mlp(x)
+    got = swiglu(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    torch.testing.assert_close(got, expected)
+    assert expected.abs().max() > 0.01

@@ -1,4 +1,4 @@
-"""Checkers for chapter 6 (the transformer block): LayerNorm, RMSNorm, a Pre-LN block, counting parameters.
+"""Checkers for chapter 6 (the transformer block): LayerNorm, RMSNorm, a Pre-LN block, counting parameters, SwiGLU.
 
 Expected values are computed before the reader's function runs; it is called through
 :func:`~groundup.exercises.checking.call_reader` (copies of the inputs and of the block, so zeroing the block's
@@ -17,7 +17,7 @@ from groundup.exercises.checking import Verdict, call_reader, expect, expect_clo
 from groundup.layers import TransformerBlock
 from groundup.models import GPT, GPTConfig
 
-__all__ = ["check_layer_norm", "check_parameter_count", "check_pre_ln_block", "check_rms_norm"]
+__all__ = ["check_layer_norm", "check_parameter_count", "check_pre_ln_block", "check_rms_norm", "check_swiglu"]
 
 
 def check_layer_norm(fn: Callable) -> Verdict:
@@ -173,3 +173,41 @@ def check_parameter_count(fn: Callable) -> Verdict:
 
     return run_checks("Exercise 6.4 (counting parameters)", checks,
                       f"Your formula matches sum(p.numel()) for all {len(_COUNT_CASES)} configurations.")
+
+
+def check_swiglu(fn: Callable) -> Verdict:
+    """Exercise 6.7: ``fn(x, W_gate, W_in, W_out)`` is the SwiGLU FFN ``W_out (SiLU(W_gate x) ⊙ W_in x)``.
+
+    The weights have PyTorch's ``[out_features, in_features]`` layout (``W_gate, W_in``: ``[d_ff, d_model]``,
+    ``W_out``: ``[d_model, d_ff]``); ``x`` is ``(..., d_model)``.
+    """
+
+    def checks():
+        g = torch.Generator().manual_seed(16)
+        d_model, d_ff = 6, 10
+        x = torch.randn(2, 5, d_model, generator=g, dtype=torch.float64)
+        W_gate, W_in = (torch.randn(d_ff, d_model, generator=g, dtype=torch.float64) for _ in range(2))
+        W_out = torch.randn(d_model, d_ff, generator=g, dtype=torch.float64) / 3
+        gate, up = x @ W_gate.T, x @ W_in.T
+        expected = (F.silu(gate) * up) @ W_out.T
+        got = call_reader(fn, x, W_gate, W_in, W_out, call="swiglu(x, W_gate, W_in, W_out)",
+                          names=("x", "W_gate", "W_in", "W_out"), returns=torch.Tensor)
+        hint = "Compute gate = x @ W_gate.T and h = x @ W_in.T, multiply SiLU(gate) * h entry by entry, then @ W_out.T."
+        if got.shape == expected.shape:
+            got64 = got.detach().double()
+            wrong = {
+                "SiLU goes on the gate (x @ W_gate.T), not on x @ W_in.T.": (gate * F.silu(up)) @ W_out.T,
+                "SiLU(z) is z·sigmoid(z), not sigmoid(z) alone (that would be GLU).": (torch.sigmoid(gate) * up)
+                @ W_out.T,
+                "That is a plain FFN: SwiGLU multiplies SiLU(x @ W_gate.T) by a second projection x @ W_in.T.":
+                    F.silu(up) @ W_out.T,
+                "Use SiLU(z) = z·sigmoid(z) on the gate (F.silu), not GELU.": (F.gelu(gate) * up) @ W_out.T,
+            }
+            for message, value in wrong.items():
+                if torch.allclose(got64, value, atol=1e-5):
+                    hint = message
+                    break
+        expect_close(got, expected, f"swiglu of a (2, 5, {d_model}) batch with d_ff = {d_ff} (compared with "
+                     "(F.silu(x @ W_gate.T) * (x @ W_in.T)) @ W_out.T)", hint, atol=1e-6)
+
+    return run_checks("Exercise 6.7 (SwiGLU)", checks, "It is the SwiGLU FFN of equation (6.16).")
