@@ -112,3 +112,61 @@ def test_corrupt_checkpoints_name_the_tensor(gpt2_dir, llama_dir, tmp_path):
         load_llama(bad)
     with pytest.raises(FileNotFoundError, match="neither"):
         load_gpt2(tmp_path / "nowhere", tokenizer=False)
+
+
+# ---- downloading by name (huggingface_hub replaced by a local fake: no network here) ---------------------------
+
+
+def _fake_hub(monkeypatch, source, *, etag=None, fail=None):
+    import hashlib
+    import shutil
+
+    import huggingface_hub
+
+    calls = []
+
+    def hf_hub_download(repo_id, filename, cache_dir=None):
+        calls.append((repo_id, filename))
+        if fail is not None:
+            raise fail
+        target = cache_dir / repo_id / filename
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source / filename, target)
+        return str(target)
+
+    class Meta:
+        def __init__(self, url):
+            data = (source / "model.safetensors").read_bytes()
+            self.etag = etag if etag is not None else f'"{hashlib.sha256(data).hexdigest()}"'
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_url", lambda repo_id, filename: f"hub://{repo_id}/{filename}")
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", Meta)
+    return calls
+
+
+def test_a_name_downloads_verifies_and_loads(gpt2_dir, tmp_path, monkeypatch):
+    d, hf = gpt2_dir
+    calls = _fake_hub(monkeypatch, d)
+    model, tok = load_gpt2("gpt2", cache_dir=tmp_path, tokenizer=False)
+    assert tok is None and calls == [("gpt2", "config.json"), ("gpt2", "model.safetensors")]
+    local, _ = load_gpt2(d, tokenizer=False)
+    for (name, a), b in zip(model.state_dict().items(), local.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_download_with_the_wrong_sha256_is_deleted_and_refused(gpt2_dir, tmp_path, monkeypatch):
+    d, _ = gpt2_dir
+    _fake_hub(monkeypatch, d, etag='"' + "0" * 64 + '"')
+    with pytest.raises(CheckpointError, match="does not match the published"):
+        load_gpt2("gpt2", cache_dir=tmp_path, tokenizer=False)
+    assert not (tmp_path / "gpt2" / "model.safetensors").exists()
+
+
+def test_offline_a_name_fails_with_a_clear_message(gpt2_dir, tmp_path, monkeypatch):
+    d, _ = gpt2_dir
+    _fake_hub(monkeypatch, d, fail=OSError("network is unreachable"))
+    with pytest.raises(ConnectionError, match="could not download 'gpt2'.*pass the path of a local folder"):
+        load_gpt2("gpt2", cache_dir=tmp_path, tokenizer=False)
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint folder nor one of"):
+        load_gpt2("no-such-model-or-folder", tokenizer=False)
