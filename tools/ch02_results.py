@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from groundup.data import load_corpus
 from groundup.models import GPT, GPTConfig
 from groundup.tokenizers import BPETokenizer, CharTokenizer
 from groundup.training import TrainConfig, train
+from groundup.utils import atomic_write_text
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter02.json"
 TOKENIZERS = {"chars": None, "bpe512": 512, "bpe1024": 1024, "bpe2048": 2048, "bpe4096": 4096}
@@ -104,9 +104,7 @@ def store(key: str, entry: dict) -> None:
                         "split": "first 90 % of the corpus's characters for training, last 10 % for validation"}
     results.setdefault("runs", {})[key] = entry
     results["runs"] = dict(sorted(results["runs"].items()))
-    tmp = OUT.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
-    os.replace(tmp, OUT)
+    atomic_write_text(OUT, json.dumps(results, indent=1, ensure_ascii=False) + "\n")
 
 
 def main(argv=None) -> None:

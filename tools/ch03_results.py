@@ -47,6 +47,7 @@ from groundup.data import get_batch, load_corpus, train_val_split
 from groundup.embeddings import TokenEmbedding, Unembedding, rms
 from groundup.models import GPT, GPTConfig
 from groundup.tokenizers import CharTokenizer
+from groundup.utils import atomic_write_text
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter03.json"
 SEEDS = (0, 1, 2)
@@ -185,7 +186,7 @@ def main(argv=None) -> None:
                            "which command made it.")
         stored["runs"][key] = entry
         stored["runs"] = dict(sorted(stored["runs"].items()))
-        OUT.write_text(json.dumps(stored, indent=1, ensure_ascii=False) + "\n")
+        atomic_write_text(OUT, json.dumps(stored, indent=1, ensure_ascii=False) + "\n")
         print("stored", key, flush=True)
 
     if args.kind in ("init", "all"):

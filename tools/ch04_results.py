@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from groundup.positional import (
     alibi_bias,
     sinusoidal_encoding,
 )
+from groundup.utils import atomic_write_text
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter04.json"
 VOCAB, K_BACK, TRAIN_LEN, TEST_LENS = 16, 3, 32, [32, 64, 128, 256]
@@ -145,9 +145,7 @@ def main(argv=None) -> None:
                 results[f"{enc}/heads{n_heads}/seed{seed}"] = entry
                 print(enc, n_heads, seed, entry, file=sys.stderr, flush=True)
                 OUT.parent.mkdir(parents=True, exist_ok=True)
-                tmp = OUT.with_suffix(".tmp")
-                tmp.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-                os.replace(tmp, OUT)
+                atomic_write_text(OUT, json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from groundup.data import load_corpus, train_val_split
 from groundup.models import GPT, GPTConfig
 from groundup.tokenizers import CharTokenizer
 from groundup.training import TrainConfig, train
+from groundup.utils import atomic_write_text
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter06.json"
 VARIANTS = {  # name in the command: (name in the notebook, norm_position, warmup_steps, peak learning rate)
@@ -90,9 +91,7 @@ def store(key: str, entry: dict) -> None:
         results = json.loads(OUT.read_text()) if OUT.exists() else {}
         results[key] = entry
         results = dict(sorted(results.items()))
-        tmp = OUT.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=1) + "\n")
-        os.replace(tmp, OUT)
+        atomic_write_text(OUT, json.dumps(results, indent=1) + "\n")
     finally:
         os.close(fd)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from groundup.masking import mask_tokens, masked_lm_batches
 from groundup.models import GPT, GPTConfig, MaskedLM, MaskedLMConfig
 from groundup.tokenizers import CharTokenizer
 from groundup.training import CHAPTER7_MODEL, CHAPTER7_TRAINING, TrainConfig, chapter7_model, train
+from groundup.utils import atomic_write_text
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter09.json"
 VARIANTS = {  # name in the command: (name in the notebook, mask_fraction, random_fraction)
@@ -129,9 +129,7 @@ def store(key: str, entry: dict) -> None:
                         "command made it.")
     results.setdefault("runs", {})[key] = entry
     results["runs"] = dict(sorted(results["runs"].items()))
-    tmp = OUT.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
-    os.replace(tmp, OUT)
+    atomic_write_text(OUT, json.dumps(results, indent=1, ensure_ascii=False) + "\n")
 
 
 def main(argv=None) -> None:

@@ -501,20 +501,13 @@ class BPETokenizer:
         """The token ids of ``text`` (special tokens appearing in it become their ids)."""
         _check_text(text)
         out: list[int] = []
-        cache = self._cache
         try:
             for piece in self._pieces(text):
                 special = self.special_ids.get(piece)
                 if special is not None:
                     out.append(special)
-                    continue
-                for chunk in self._split(piece):
-                    ids = cache.get(chunk)
-                    if ids is None:
-                        if len(cache) >= CACHE_SIZE:
-                            cache.clear()
-                        ids = cache[chunk] = self._encode_chunk(chunk)
-                    out += ids
+                else:
+                    self._encode_plain(piece, out)
         except UnicodeEncodeError:
             raise _lone_surrogate_error(text) from None
         return out
@@ -524,18 +517,22 @@ class BPETokenizer:
         other text (so text from users cannot smuggle in, say, ``<|endoftext|>``)."""
         _check_text(text)
         out: list[int] = []
-        cache = self._cache
         try:
-            for chunk in self._split(text):
-                ids = cache.get(chunk)
-                if ids is None:
-                    if len(cache) >= CACHE_SIZE:
-                        cache.clear()
-                    ids = cache[chunk] = self._encode_chunk(chunk)
-                out += ids
+            self._encode_plain(text, out)
         except UnicodeEncodeError:
             raise _lone_surrogate_error(text) from None
         return out
+
+    def _encode_plain(self, text: str, out: list[int]) -> None:
+        """Append the ids of ``text`` (no special tokens in it) to ``out``, chunk by chunk, remembering chunks."""
+        cache = self._cache
+        for chunk in self._split(text):
+            ids = cache.get(chunk)
+            if ids is None:
+                if len(cache) >= CACHE_SIZE:
+                    cache.clear()
+                ids = cache[chunk] = self._encode_chunk(chunk)
+            out += ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``. Byte sequences that are not valid UTF-8 decode to U+FFFD characters.
