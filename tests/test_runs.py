@@ -274,3 +274,18 @@ def test_sample_pretrained_from_a_local_gpt2_folder(tmp_path, capsys):
     with torch.no_grad():  # the same greedy continuation, computed directly
         ref = tok.decode(generate(model, prompt, 5, greedy=True)[0].tolist())
     assert text == ref + "\n"
+
+
+def test_the_default_recipe_and_a_token_budget_that_is_never_exceeded(tmp_path):
+    from groundup import runs
+    from groundup.cli import _parser
+
+    args = _parser().parse_args(["train", "--out", str(tmp_path / "r"), "--max-tokens", "1000000"])
+    model_config, train_config = runs._configs_from_args(args, vocab_size=65)
+    assert train_config.max_steps == 976 and 976 * 8 * 128 <= 1_000_000 < 977 * 8 * 128
+    assert (train_config.optimizer, train_config.learning_rate, train_config.batch_size) == ("muon", 2e-3, 8)
+    assert (model_config.n_layers, model_config.d_model, model_config.n_heads, model_config.context_length,
+            model_config.positional) == (4, 192, 6, 128, "rope")
+    args = _parser().parse_args(["train", "--out", str(tmp_path / "r"), "--optimizer", "adamw", "--max-tokens", "5"])
+    assert runs._configs_from_args(args, vocab_size=65)[1].optimizer == "adamw"
+    assert runs._configs_from_args(args, vocab_size=65)[1].max_steps == 1

@@ -131,7 +131,8 @@ def add_train_parser(sub) -> None:
     t.add_argument("--batch-size", type=int, help="windows per step" + _recipe("batch_size"))
     budget = t.add_mutually_exclusive_group()
     budget.add_argument("--max-steps", type=int, help="number of updates" + _recipe("max_steps"))
-    budget.add_argument("--max-tokens", type=int, help="training tokens (sets --max-steps to this / (batch x context))")
+    budget.add_argument("--max-tokens", type=int, help="at most this many training tokens (sets --max-steps to this "
+                        "// (batch x context), at least 1)")
     budget.add_argument("--minutes", type=float, help="train for this many minutes: the cosine runs over the time, "
                         "not the steps (not reproducible: it depends on the machine's speed)")
     t.add_argument("--lr", type=float, help="peak learning rate" + _recipe("learning_rate"))
@@ -201,7 +202,7 @@ def _configs_from_args(args, vocab_size: int | None = None, *, vocab_sizes: tupl
     if args.max_tokens is not None:
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
-        max_steps = max(1, math.ceil(args.max_tokens / (batch_size * model_config.context_length)))
+        max_steps = max(1, args.max_tokens // (batch_size * model_config.context_length))  # never over the budget
     train_config = TrainConfig(
         batch_size=batch_size, max_steps=max_steps, learning_rate=pick("lr", "learning_rate"), min_lr=args.min_lr,
         warmup_steps=min(pick("warmup", "warmup_steps"), max_steps), weight_decay=pick("weight_decay", "weight_decay"),
