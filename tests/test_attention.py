@@ -316,6 +316,51 @@ def test_mha_dropout_only_while_training():
     torch.testing.assert_close(w.sum(-1), torch.ones(2, 2, 6))  # the returned weights are before dropout
 
 
+def test_mha_is_causal_equals_the_explicit_causal_mask_everywhere():
+    torch.manual_seed(4)
+    mha = MultiHeadAttention(16, 4)
+    ref = _copy_to_torch(mha)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    got = mha(x, is_causal=True)
+    exp, _ = ref(x, x, x, attn_mask=~causal_mask(6))  # PyTorch's module, True = may not attend
+    torch.testing.assert_close(got, exp)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(exp.sum(), x)[0])
+    out, w = mha(x, is_causal=True, need_weights=True)  # the written-out path builds the mask itself
+    torch.testing.assert_close(out, exp)
+    assert (w[..., ~causal_mask(6)] == 0).all()
+    # with a bias, a padding mask, or cached keys the mask is materialised, aligned at the last key
+    bias = torch.randn(4, 6, 6)
+    torch.testing.assert_close(mha(x, attn_bias=bias, is_causal=True), mha(x, attn_bias=bias, mask=causal_mask(6)))
+    keep = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])[:, None, None, :]
+    torch.testing.assert_close(mha(x, mask=keep, is_causal=True), mha(x, mask=keep & causal_mask(6)))
+    full = mha(x, mask=causal_mask(6))
+    cache = KVCache()
+    first = mha(x[:, :4], cache=cache, is_causal=True)
+    two = mha(x[:, 4:], cache=cache, is_causal=True)  # 2 new queries after 4 cached keys
+    torch.testing.assert_close(torch.cat([first, two], dim=1), full)
+    cache.reset()
+    steps = [mha(x[:, t:t + 1], cache=cache, is_causal=True) for t in range(6)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full)
+    with pytest.raises(TypeError, match="is_causal must be True or False"):
+        mha(x, is_causal=1)
+
+
+def test_mha_is_causal_uses_the_kernels_own_causal_mask(monkeypatch):
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal", False)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    mha = MultiHeadAttention(8, 2)
+    x = torch.randn(1, 3, 8)
+    mha(x, is_causal=True)
+    mha(x, mask=causal_mask(3))
+    assert seen == [(True, True), (False, False)]
+
+
 def test_mha_uses_torch_fused_kernel_only_when_no_weights_are_requested(monkeypatch):
     calls = []
     real = F.scaled_dot_product_attention

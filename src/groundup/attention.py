@@ -319,7 +319,7 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
                 mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None, rotary=None,
                 positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                need_weights: bool = False):
+                need_weights: bool = False, is_causal: bool = False):
         """Attend from the positions of ``x`` to those of ``context`` (cross-attention) or of ``x`` (self).
 
         ``x (batch, n_q, d_model)``; ``context (batch, n_k, d_model)``; ``mask`` boolean, ``True`` = may attend,
@@ -337,6 +337,11 @@ class MultiHeadAttention(nn.Module):
         context tensor is passed; a different context (another tensor, or this one changed in place) replaces
         them.
 
+        ``is_causal=True`` adds the causal mask, ``causal_mask(n_q, n_keys=n_k)`` (the last query sees every
+        key, the cache's included), to ``mask`` if one is given. It computes the same as passing that mask, but
+        without a cache and without ``attn_bias`` the fused kernel then skips the masked blocks instead of
+        reading a mask (faster, and no ``n_q x n_k`` mask in memory; chapter 5 measures it).
+
         Returns ``out (batch, n_q, d_model)``, or ``(out, weights (batch, n_heads, n_q, n_k))`` with
         ``need_weights=True``.
         """
@@ -348,6 +353,8 @@ class MultiHeadAttention(nn.Module):
                              f"per head, or (n_q, n_k) for all")
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache or None, got {type(cache).__name__}")
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be True or False, got {is_causal!r}")
         if context is not None:
             self._check_input("context", context, batch)
             if cache is not None and cache.context is None and len(cache) > 0:
@@ -386,17 +393,22 @@ class MultiHeadAttention(nn.Module):
                 cache.set_context(context, k, v)  # first call, or a new context: never attend over an old one
             else:
                 k, v = cache.append(k, v)
+        causal_kernel = is_causal and mask is None and attn_bias is None and not need_weights \
+            and q.shape[-2] == k.shape[-2]  # the fused kernel's own causal mask (aligned at the first key)
+        if is_causal and not causal_kernel and q.shape[-2] > 1:  # one query, the newest, sees every key
+            causal = causal_mask(q.shape[-2], n_keys=k.shape[-2], device=q.device)
+            mask = causal if mask is None else mask & causal
         if need_weights:
             k, v = self._expand_kv(k), self._expand_kv(v)
             weights = attention_weights(q, k, mask=mask, bias=attn_bias)
             dropped = F.dropout(weights, self.dropout) if self.training and self.dropout > 0 else weights
             heads = dropped @ v
         else:
-            heads = self._fused_attention(q, k, v, mask, attn_bias)
+            heads = self._fused_attention(q, k, v, mask, attn_bias, causal_kernel)
         out = self.W_o(heads.transpose(1, 2).reshape(batch, n_q, self.n_heads * self.d_head))
         return (out, weights) if need_weights else out
 
-    def _fused_attention(self, q, k, v, mask, attn_bias) -> torch.Tensor:
+    def _fused_attention(self, q, k, v, mask, attn_bias, is_causal=False) -> torch.Tensor:
         """The same attention through PyTorch's fused kernel (no weights are materialised for the caller)."""
         scores_shape = torch.Size((q.shape[0], self.n_heads, q.shape[-2], k.shape[-2]))
         _check_mask_and_bias(mask, attn_bias, scores_shape)
@@ -410,6 +422,6 @@ class MultiHeadAttention(nn.Module):
         if self.n_kv_heads != self.n_heads:
             if _SDPA_HAS_GQA:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                      enable_gqa=True)
+                                                      is_causal=is_causal, enable_gqa=True)
             k, v = self._expand_kv(k), self._expand_kv(v)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)

@@ -229,12 +229,16 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, *, mask=None, attn_bias=None, rotary=None, positions=None,
-                cache=None) -> torch.Tensor:
-        """Map the residual stream ``x`` (batch, seq, d_model) to the next layer's stream, same shape."""
+                cache=None, is_causal: bool = False) -> torch.Tensor:
+        """Map the residual stream ``x`` (batch, seq, d_model) to the next layer's stream, same shape.
+
+        The keywords go to :meth:`MultiHeadAttention.forward` (``is_causal=True``: the causal mask, without
+        materialising it where the fused kernel can skip the masked blocks).
+        """
         _check_stream(x, self.d_model, "TransformerBlock")
         def attend(h):
             return self.dropout(self.attention(h, mask=mask, attn_bias=attn_bias, rotary=rotary,
-                                               positions=positions, cache=cache))
+                                               positions=positions, cache=cache, is_causal=is_causal))
 
         if self.parallel:
             h = self.norm_1(x)

@@ -231,7 +231,6 @@ class GPT(nn.Module):
             x = x + self.position_encoding[positions]
         x = self.dropout(x)
 
-        mask = causal_mask(n, n_keys=total, device=idx.device) if self.causal else None  # None: all see all
         attn_bias = None
         if c.positional == "relative":
             attn_bias = self.relative_bias(total)[:, start:, :]
@@ -239,8 +238,8 @@ class GPT(nn.Module):
             attn_bias = self.alibi[:, start:total, :total]
         rotary = self.rotary if c.positional == "rope" else None
         for layer, block in enumerate(self.blocks):
-            x = block(x, mask=mask, attn_bias=attn_bias, rotary=rotary, positions=positions,
-                      cache=None if cache is None else cache[layer])
+            x = block(x, attn_bias=attn_bias, rotary=rotary, positions=positions, is_causal=self.causal,
+                      cache=None if cache is None else cache[layer])  # is_causal: causal_mask(n, n_keys=total)
         logits = self.unembedding(self.final_norm(x))  # logits_i = U x_i^(n_L)
 
         loss = None
