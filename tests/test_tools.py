@@ -243,3 +243,76 @@ def test_nbval_lanes_report_the_first_failing_lane(tmp_path, monkeypatch, capsys
     out = capsys.readouterr().out
     assert status != 0
     assert "lane 1: 07_a.ipynb" in out and "lane 2: 01_b.ipynb" in out and "lane 1: exit" in out
+
+
+
+def test_nbval_lanes_run_with_passive_openmp_threads(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
+    (tmp_path / "07_a.ipynb").write_text("chapter7_model")
+    (tmp_path / "01_b.ipynb").write_text("{}")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    seen = []
+
+    class Recorder:
+        def __init__(self, command, *, env, **kwargs):
+            seen.append(env.get("OMP_WAIT_POLICY"))
+
+        def wait(self):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(nbval_lanes.subprocess, "Popen", Recorder)
+    assert nbval_lanes.main(["--", "-q"]) == 0
+    assert seen == ["PASSIVE", "PASSIVE"]
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # a policy the caller chose is kept
+    seen.clear()
+    assert nbval_lanes.main(["--", "-q"]) == 0
+    assert seen == ["ACTIVE", "ACTIVE"]
+
+NANOGPT_STANDIN = '''
+from dataclasses import dataclass
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+@dataclass
+class GPTConfig:
+    block_size: int = 64
+    vocab_size: int = 65
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+
+class GPT(nn.Module):  # a stand-in with nanoGPT's interface, not its model
+    def __init__(self, config):
+        super().__init__()
+        self.emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=config.bias)
+
+    def forward(self, idx, targets):
+        logits = self.head(self.emb(idx))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        return torch.optim.AdamW(self.parameters(), lr=learning_rate, betas=betas, weight_decay=weight_decay)
+'''
+
+
+def test_nanogpt_side_by_side_times_both_models_and_refuses_other_files(tmp_path):
+    import nanogpt_side_by_side as side
+
+    model_py = tmp_path / "model.py"
+    model_py.write_text(NANOGPT_STANDIN)
+    line = side.compare(side.load_nanogpt(model_py), bias=False, rounds=4)
+    assert line.startswith("without biases: nanoGPT ") and "groundup" in line
+    assert re.search(r"ratio of medians \d+\.\d{3}, per-round ratio median \d+\.\d{3} \(quartiles ", line)
+    with pytest.raises(SystemExit, match="is not a file"):
+        side.load_nanogpt(tmp_path / "missing.py")
+    other = tmp_path / "other.py"
+    other.write_text("x = 1\n")
+    with pytest.raises(SystemExit, match="defines no GPT and GPTConfig"):
+        side.load_nanogpt(other)
