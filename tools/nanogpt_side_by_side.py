@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from groundup.bench.training import NANOGPT_BATCH, NANOGPT_CPU, _step_fn
+from groundup.bench.training import NANOGPT_BATCH, NANOGPT_CPU, _step_fn, train_step_fn
 from groundup.models import GPT, GPTConfig
 
 
@@ -47,18 +47,7 @@ def nanogpt_step(nano, bias: bool):
     model = nano.GPT(nano.GPTConfig(block_size=c["context_length"], vocab_size=c["vocab_size"], n_layer=c["n_layers"],
                                     n_head=c["n_heads"], n_embd=c["d_model"], dropout=0.0, bias=bias))
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
-    g = torch.Generator().manual_seed(0)
-    shape = (NANOGPT_BATCH, c["context_length"])
-    x, y = torch.randint(0, c["vocab_size"], shape, generator=g), torch.randint(0, c["vocab_size"], shape, generator=g)
-
-    def step():
-        _, loss = model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-
-    return step
+    return train_step_fn(model, optimizer, NANOGPT_BATCH, c["context_length"], c["vocab_size"])
 
 
 def compare(nano, bias: bool, rounds: int) -> str:

@@ -27,10 +27,11 @@ TOKEN_BUDGET = 1_000_000
 TIME_BUDGET = 600.0
 
 
-def _run(train_ids, val_ids, vocab_size: int, **overrides):
-    torch.manual_seed(0)
+def _run(train_ids, val_ids, vocab_size: int, seed: int = 0, **overrides):
+    """Train the recipe's model (initialised and fed batches from ``seed``); its loss on the whole validation text."""
+    torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=vocab_size, **RECIPE_MODEL))
-    config = TrainConfig(**{**RECIPE_TRAINING, "progress": False, **overrides})
+    config = TrainConfig(**{**RECIPE_TRAINING, "progress": False, "seed": seed, **overrides})
     start = time.perf_counter()
     history = train(model, train_ids, val_ids, config)
     wall = time.perf_counter() - start

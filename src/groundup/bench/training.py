@@ -69,6 +69,11 @@ def _step_fn(model: nn.Module, batch: int, n_c: int, vocab: int, optimizer: str 
         optimizer = MuonAdamW(model, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, fused=True)
     else:
         optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, fused=True)
+    return train_step_fn(model, optimizer, batch, n_c, vocab)
+
+
+def train_step_fn(model: nn.Module, optimizer: torch.optim.Optimizer, batch: int, n_c: int, vocab: int):
+    """One training step of ``model`` (``model(x, y) -> (logits, loss)``) on a fixed random batch, as a function."""
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, vocab, (batch, n_c), generator=g), torch.randint(0, vocab, (batch, n_c), generator=g)
 
