@@ -21,8 +21,9 @@ from torch import nn
 
 from groundup.attention import KVCache, causal_mask
 from groundup.embeddings import TokenEmbedding, Unembedding
-from groundup.layers import NORM_POSITIONS, NORMS, DecoderBlock, TransformerBlock, make_norm
+from groundup.layers import ACTIVATIONS, NORM_POSITIONS, NORMS, DecoderBlock, TransformerBlock, make_norm
 from groundup.positional import (
+    ROPE_PAIRINGS,
     LearnedPositionalEmbedding,
     RelativePositionBias,
     RotaryEmbedding,
@@ -56,11 +57,9 @@ def _check_block_options(config, positionals: tuple) -> None:
     if not isinstance(config.tie_weights, bool):
         raise ValueError(f"tie_weights must be True or False, got {config.tie_weights!r}")
 
+
 def _check_modern_options(config) -> None:
     """Checks for GPTConfig's modern-block fields (activation, bias, GQA, QK-norm, parallel, RoPE, eps)."""
-    from groundup.layers import ACTIVATIONS
-    from groundup.positional import ROPE_PAIRINGS
-
     if config.activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {config.activation!r}")
     for name in ("bias", "qk_norm", "parallel_block"):

@@ -445,14 +445,41 @@ def add_sample_parser(sub) -> None:
     p.set_defaults(handler=sample_command)
 
 
-def _sample_pretrained(args) -> int:
-    """``groundup sample --pretrained gpt2``: continue ``--prompt`` with GPT-2's published weights."""
-    from groundup.generation import generate
-    from groundup.pretrained import load_gpt2
+def _sample_device(args) -> torch.device:
+    """``--device``, or the best device present (CUDA when there is one)."""
     from groundup.utils import default_device
 
+    return torch.device(args.device) if args.device else default_device()
+
+
+def _sample_ids(model, ids: list[int], n_new: int, args, device) -> list[int]:
+    """``ids`` followed by ``n_new`` tokens of ``model``, drawn with the command's sampling options."""
+    from groundup.generation import generate
+
+    prompt = torch.tensor([ids], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    out = generate(model, prompt, n_new, temperature=0.8 if args.temperature is None else args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, greedy=args.greedy, use_cache=not args.no_cache,
+                   generator=generator)
+    return out[0].tolist()
+
+
+def _print_sample(text: str) -> int:
+    """Print ``text`` and return the exit status 0; piped into a reader that closed early (``| head``), stop quietly."""
     try:
-        device = torch.device(args.device) if args.device else default_device()
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        sys.stderr.close()
+    return 0
+
+
+def _sample_pretrained(args) -> int:
+    """``groundup sample --pretrained gpt2``: continue ``--prompt`` with GPT-2's published weights."""
+    from groundup.pretrained import load_gpt2
+
+    try:
+        device = _sample_device(args)
         model, tokenizer = load_gpt2(args.pretrained)
         model = model.to(device)
         ids = tokenizer.encode(args.prompt) if args.prompt else [model.config.vocab_size - 1]  # <|endoftext|>
@@ -460,21 +487,11 @@ def _sample_pretrained(args) -> int:
         if len(ids) + n_new > model.config.context_length:
             raise ValueError(f"prompt ({len(ids)} tokens) + --tokens {n_new} exceeds GPT-2's context of "
                              f"{model.config.context_length} tokens")
-        prompt = torch.tensor([ids], dtype=torch.long, device=device)
-        generator = torch.Generator(device=device).manual_seed(args.seed)
-        out = generate(model, prompt, n_new, temperature=0.8 if args.temperature is None else args.temperature,
-                       top_k=args.top_k, top_p=args.top_p, greedy=args.greedy, use_cache=not args.no_cache,
-                       generator=generator)
-        text = tokenizer.decode(out[0].tolist()[0 if args.prompt else 1:])
+        text = tokenizer.decode(_sample_ids(model, ids, n_new, args, device)[0 if args.prompt else 1:])
     except (ValueError, TypeError, FileNotFoundError, ConnectionError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    try:
-        print(text)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        sys.stderr.close()
-    return 0
+    return _print_sample(text)
 
 
 def _translate(folder: Path, model: EncoderDecoder, args, device) -> str:
@@ -501,9 +518,6 @@ def _translate(folder: Path, model: EncoderDecoder, args, device) -> str:
 
 
 def sample_command(args) -> int:
-    from groundup.generation import generate
-    from groundup.utils import default_device
-
     if (args.run is None) == (getattr(args, "pretrained", None) is None):
         print("error: give either a run folder DIR or --pretrained NAME_OR_DIR (exactly one)", file=sys.stderr)
         return 2
@@ -514,7 +528,7 @@ def sample_command(args) -> int:
         if not (folder / CHECKPOINT_NAME).is_file():
             raise FileNotFoundError(f"{folder} holds no {CHECKPOINT_NAME}: give a folder written by "
                                     f"'groundup train --out {folder}'")
-        device = torch.device(args.device) if args.device else default_device()
+        device = _sample_device(args)
         model, _ = load_checkpoint(folder / CHECKPOINT_NAME, device=device)
         if isinstance(model, EncoderDecoder):
             text = _translate(folder, model, args, device)
@@ -527,20 +541,9 @@ def sample_command(args) -> int:
             if tokenizer.vocab_size != model.config.vocab_size:
                 raise ValueError(f"{folder / TOKENIZER_NAME} has {tokenizer.vocab_size} tokens but the model "
                                  f"{model.config.vocab_size}: the folder mixes two runs")
-            prompt = "\n" if args.prompt is None else args.prompt
-            prompt = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=device)
-            generator = torch.Generator(device=device).manual_seed(args.seed)
-            out = generate(model, prompt, 500 if args.tokens is None else args.tokens,
-                           temperature=0.8 if args.temperature is None else args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, greedy=args.greedy, use_cache=not args.no_cache, generator=generator)
-            text = tokenizer.decode(out[0].tolist())
+            ids = tokenizer.encode("\n" if args.prompt is None else args.prompt)
+            text = tokenizer.decode(_sample_ids(model, ids, 500 if args.tokens is None else args.tokens, args, device))
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    try:
-        print(text)
-        sys.stdout.flush()
-    except BrokenPipeError:  # e.g. piped into head: stop quietly
-        sys.stderr.close()
-        return 0
-    return 0
+    return _print_sample(text)

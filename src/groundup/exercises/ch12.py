@@ -21,6 +21,7 @@ from groundup.exercises.checking import (
     expect_tensor,
     run_checks,
 )
+from groundup.positional import RotaryEmbedding
 
 __all__ = ["check_split_c_attn", "check_gpt2_parameter_count", "check_rotary_permutation"]
 
@@ -105,12 +106,8 @@ def check_gpt2_parameter_count(fn: Callable) -> Verdict:
 
 def _rope(x: torch.Tensor, t: int, half: bool) -> torch.Tensor:
     """Rotary embedding of one vector at position t: interleaved pairs (2i, 2i+1) or halves (i, i + d/2)."""
-    d = x.shape[-1]
-    theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d) * t
-    cos, sin = theta.cos(), theta.sin()
-    a, b = (x[: d // 2], x[d // 2:]) if half else (x[0::2], x[1::2])
-    ra, rb = a * cos - b * sin, a * sin + b * cos
-    return torch.cat([ra, rb]) if half else torch.stack([ra, rb], dim=-1).flatten()
+    rotary = RotaryEmbedding(x.shape[-1], pairing="half" if half else "interleaved")
+    return rotary.apply_rotary(x[None], torch.tensor([t]))[0]
 
 
 def check_rotary_permutation(fn: Callable) -> Verdict:
