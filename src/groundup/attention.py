@@ -23,14 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from groundup.norms import RMSNorm, _positive_int
+
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _positive_int(name: str, value) -> int:
-    """``value`` as an int (Python or NumPy integers), or a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def causal_mask(n: int, *, n_keys: int | None = None, device=None) -> torch.Tensor:
@@ -270,8 +265,6 @@ class MultiHeadAttention(nn.Module):
         self.W_v = nn.Linear(d_model, inner_kv, bias=bias)
         self.W_o = nn.Linear(inner, d_model, bias=bias)
         if qk_norm:
-            from groundup.layers import RMSNorm  # layers imports this module: import here, at construction
-
             self.q_norm = RMSNorm(d_head, eps=norm_eps)
             self.k_norm = RMSNorm(d_head, eps=norm_eps)
 
