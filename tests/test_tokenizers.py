@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 
 import pytest
@@ -10,7 +11,14 @@ import regex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from groundup.tokenizers import GPT2_SPLIT_PATTERN, BPETokenizer, CharTokenizer, learn_merges
+from groundup.tokenizers import (
+    GPT2_SPLIT_PATTERN,
+    BPETokenizer,
+    CharTokenizer,
+    learn_merges,
+    merge_by_scan,
+    merge_with_heap,
+)
 
 TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
@@ -113,6 +121,42 @@ def test_encode_applies_merges_in_learned_order():
     assert tok.encode("abc") == [258]
     assert tok.encode("bcab") == [257, 256]
     assert tok.encode("xyz") == [120, 121, 122]
+
+
+def textbook_encode(ids, merges):
+    """Chapter 2's encoder, independent of the package: merge the earliest-learned pair present, all of it, again."""
+    rank = {pair: 256 + k for k, pair in enumerate(merges)}
+    while True:
+        present = [rank[p] for p in zip(ids, ids[1:], strict=False) if p in rank]
+        if not present:
+            return ids
+        new_id = min(present)
+        ids = _merge_ref(ids, merges[new_id - 256], new_id)
+
+
+# Merges learned on a text of a few letters, so random sequences of them hold many merges, chained and overlapping.
+SMALL_ALPHABET_MERGES = BPETokenizer.train("aab abba baab aaaa bab " * 20 + "ab" * 30, 300, pattern=None).merges
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([97, 98, 32]), max_size=300))
+def test_scan_and_heap_merges_equal_the_textbook_encoder(ids):
+    ranks = {pair: 256 + k for k, pair in enumerate(SMALL_ALPHABET_MERGES)}
+    expected = textbook_encode(list(ids), SMALL_ALPHABET_MERGES)
+    assert merge_by_scan(list(ids), ranks) == expected
+    assert merge_with_heap(list(ids), ranks) == expected
+
+
+def test_long_chunks_take_the_heap_and_give_the_same_tokens(monkeypatch):
+    import groundup.tokenizers as module
+
+    tok = BPETokenizer(SMALL_ALPHABET_MERGES, pattern=None)
+    text = "".join(random.Random(1).choice("ab ") for _ in range(5000))
+    calls = []
+    monkeypatch.setattr(module, "merge_by_scan", lambda ids, ranks: calls.append(len(ids)) or ids)  # a stub
+    assert tok.encode(text) == textbook_encode(list(text.encode()), SMALL_ALPHABET_MERGES)
+    assert calls == []  # 5000 bytes: the heap
+    assert tok.encode("ab" * 10) == list(b"ab" * 10) and calls == [20]  # 20 bytes: the (stubbed) scan
 
 
 @settings(max_examples=200, deadline=None)
@@ -534,8 +578,6 @@ def test_decode_always_gives_printable_savable_text(tok, ids):
 
 # ---- byte-to-id maps and GPT-2's published tokenizer --------------------------------------------------------
 
-import random  # noqa: E402
-
 import tiktoken  # noqa: E402
 
 from groundup import data as data_module  # noqa: E402
@@ -608,6 +650,22 @@ def test_gpt2_tokenizer_is_gpt2s(gpt2, gpt2_reference):
     assert gpt2.encode(mixed) == gpt2_reference.encode(mixed, allowed_special="all")
     assert gpt2.encode(mixed).count(50256) == 1 and 50256 not in gpt2.encode_ordinary(mixed)
     assert gpt2.encode_ordinary(mixed) == gpt2_reference.encode_ordinary(mixed)
+
+
+def _random_word(n, letters="abcdefghijklmnopqrstuvwxyz", seed=0):
+    rng = random.Random(seed)
+    return "".join(rng.choice(letters) for _ in range(n))
+
+
+@pytest.mark.parametrize("text", [
+    _random_word(32_000),  # one chunk of 32k letters: the case that was superlinear
+    "a" * 10_000 + " " + "ab" * 5000,  # overlapping pairs, a repeated pair
+    " " + _random_word(3000, "éü日本🙂x", seed=1),  # multi-byte letters and emoji
+    "1" * 5000 + "!?" * 3000 + "\n" * 2000 + " \t" * 2000,  # digits, symbols and whitespace runs
+])
+def test_gpt2_tokenizer_matches_tiktoken_on_long_and_hostile_chunks(gpt2, gpt2_reference, text):
+    assert gpt2.encode_ordinary(text) == gpt2_reference.encode_ordinary(text)
+    assert gpt2.decode(gpt2.encode_ordinary(text)) == text
 
 
 def test_gpt2_tokenizer_saves_as_version_2_and_loads_back(gpt2, tmp_path):
