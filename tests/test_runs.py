@@ -289,3 +289,42 @@ def test_the_default_recipe_and_a_token_budget_that_is_never_exceeded(tmp_path):
     args = _parser().parse_args(["train", "--out", str(tmp_path / "r"), "--optimizer", "adamw", "--max-tokens", "5"])
     assert runs._configs_from_args(args, vocab_size=65)[1].optimizer == "adamw"
     assert runs._configs_from_args(args, vocab_size=65)[1].max_steps == 1
+
+
+# --- untrusted sizes: refused before anything is allocated --------------------------------------------------
+
+
+def _crafted_checkpoint(tmp_path, **config_changes):
+    """A real checkpoint of a tiny GPT whose stored model configuration is then edited (as an attacker could)."""
+    from groundup.models import GPT, GPTConfig
+    from groundup.training import save_checkpoint
+
+    positional = config_changes.pop("positional", "rope")
+    model = GPT(GPTConfig(vocab_size=12, context_length=16, d_model=16, n_layers=1, n_heads=2,
+                          positional=positional))
+    path = tmp_path / CHECKPOINT_NAME
+    save_checkpoint(path, model)
+    state = torch.load(path, weights_only=True)
+    state["model_config"].update(config_changes)
+    torch.save(state, path)
+    return path
+
+
+def test_a_checkpoint_claiming_a_billion_token_vocabulary_is_refused_before_allocating(tmp_path, capsys):
+    path = _crafted_checkpoint(tmp_path, vocab_size=10**9)  # 10^9 x 16 floats: 64 GB if it were built
+    with pytest.raises(ValueError, match="stored weights do not match the stored model configuration"):
+        load_checkpoint(path)
+    assert cli.main(["sample", str(tmp_path), "--tokens", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "token_embedding.weight (12, 16) (the configuration says (1000000000, 16))" in err, err
+
+
+def test_a_checkpoint_whose_buffers_would_exceed_memory_is_refused(tmp_path):
+    from groundup.footprint import device_memory
+
+    # ALiBi's bias table is a buffer (not stored): n_heads x n_C x n_C floats, 8 TB for n_C = 10^6
+    path = _crafted_checkpoint(tmp_path, positional="alibi", context_length=10**6)
+    if device_memory() is None:
+        pytest.skip("this system does not report its memory")
+    with pytest.raises(ValueError, match=r"model configuration in .* needs at least 8,000 GB of memory"):
+        load_checkpoint(path)

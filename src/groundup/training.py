@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from groundup.data import get_batch
+from groundup.footprint import check_fits, check_state_dict, meta_model, model_bytes
 from groundup.models import GPT, EncoderDecoder, EncoderDecoderConfig, GPTConfig, MaskedLM, MaskedLMConfig
 from groundup.utils import atomic_write_bytes, default_device, threads
 
@@ -427,6 +428,9 @@ def load_checkpoint(path, model: nn.Module | None = None, *, optimizer=None, sch
             config = config_cls(**ckpt["model_config"])
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path} has an invalid model configuration: {err}") from None
+        shape = meta_model(cls, config)  # untrusted sizes: checked before anything is allocated (footprint)
+        check_state_dict(shape, ckpt["model"], path)
+        check_fits(model_bytes(shape), f"the model configuration in {path}")
         model = cls(config)
     elif dataclasses.asdict(model.config) != ckpt["model_config"]:
         raise ValueError(f"{path} was saved from a model with a different configuration: "
