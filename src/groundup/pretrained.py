@@ -7,20 +7,32 @@
 * :func:`load_llama` -- a ``LlamaForCausalLM`` checkpoint: RMSNorm, SwiGLU, rotate-half RoPE (``rope_pairing=
   "half"``), grouped-query attention, no biases, usually untied embeddings.
 
-Checkpoints are untrusted input: tensors are read with ``safetensors.torch.load_file`` (no pickle), every
-expected tensor must be present with the expected shape, and unexpected tensors are refused; errors name the
-tensor.
+Checkpoints are untrusted input: tensors are read with ``safetensors`` (no pickle). Before anything is
+allocated, ``config.json`` (at most 4 MiB of JSON) is checked against the safetensors header: the model is
+built on the meta device and every expected tensor must be in the header with the expected shape and a
+floating-point dtype (F16, BF16, F32, F64), unexpected tensors are refused, so a ``config.json`` claiming a
+vocabulary of 10^9 fails with a message instead of allocating gigabytes. Loaded values must be finite in the
+model's dtype (a float64 1e300 would become inf in float32). Errors name the file or the tensor.
+
+Downloads by name (``load_gpt2("gpt2")``) check the weights' SHA-256 against the hub's published LFS hash and
+record the verified digest beside the cached file (``model.safetensors.sha256``, in ``sha256sum`` format); a
+later load finds the verified copy in the cache and needs no network (it hashes the file again and compares with
+the record). Without a verified copy and without network, the first request to the hub fails and the load
+stops there with :class:`ConnectionError`, without huggingface_hub's retries.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 
 from groundup.models import GPT, GPTConfig
+from groundup.utils import atomic_write_text
 
 __all__ = ["CheckpointError", "load_gpt2", "load_llama", "gpt2_state_dict", "llama_state_dict"]
 
@@ -33,19 +45,95 @@ class CheckpointError(ValueError):
     """A checkpoint does not match what the loader expects (missing/unexpected tensor, wrong shape, config)."""
 
 
-def _read_folder(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    config_file, weights_file = path / "config.json", path / "model.safetensors"
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+MAX_CONFIG_BYTES = 4 << 20  # a real config.json is a few kB; anything this large is not one
+# dtypes a checkpoint's weights may have: integer or 8-bit tensors are quantized data that need their own scales
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+                       "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
+                       "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+                       "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _checkpoint_files(path: Path) -> tuple[Path, Path]:
+    config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
     for f in (config_file, weights_file):
         if not f.is_file():
             raise FileNotFoundError(f"{f} not found: a Hugging Face checkpoint folder needs config.json and "
                                     f"model.safetensors (sharded checkpoints are not supported)")
-    with open(config_file, encoding="utf-8") as fh:
-        hf_config = json.load(fh)
+    return config_file, weights_file
+
+
+def _read_config(config_file: Path) -> dict:
+    """``config.json`` as a dict; a :class:`CheckpointError` naming the file if it is not a JSON object."""
+    size = config_file.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{config_file} holds {size:,} bytes: a config.json is a few kB (at most "
+                              f"{MAX_CONFIG_BYTES:,} bytes are read)")
+    try:
+        hf_config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{config_file} is not valid JSON ({type(err).__name__}: {err})") from None
     if not isinstance(hf_config, dict):
-        raise CheckpointError(f"{config_file} must hold a JSON object")
+        raise CheckpointError(f"{config_file} must hold a JSON object, got {type(hf_config).__name__}")
+    return hf_config
+
+
+def _safetensors_error(weights_file: Path, err: Exception) -> CheckpointError:
+    return CheckpointError(f"{weights_file} is not a complete safetensors file ({err}): it may be truncated or "
+                           f"corrupt; download it again")
+
+
+def _read_header(weights_file: Path) -> dict[str, torch.Tensor]:
+    """The tensors listed in a safetensors header, as meta tensors (name, shape, dtype; no data is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(weights_file), framework="pt") as fh:
+            entries = {name: (fh.get_slice(name).get_dtype(), fh.get_slice(name).get_shape()) for name in fh.keys()}
+    except SafetensorError as err:
+        raise _safetensors_error(weights_file, err) from None
+    header = {}
+    for name, (dtype, shape) in entries.items():
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"tensor {name!r} in {weights_file} has dtype {dtype}, which this loader does "
+                                  f"not read")
+        header[name] = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype], device="meta")
+    return header
+
+
+def _read_tensors(weights_file: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file  # no pickle: safe for untrusted files
 
-    return hf_config, load_file(str(weights_file))
+    try:
+        return load_file(str(weights_file))
+    except SafetensorError as err:
+        raise _safetensors_error(weights_file, err) from None
+
+
+def _load_checked(path: Path, make_config, make_state, dtype: torch.dtype) -> GPT:
+    """A :class:`GPT` from a checkpoint folder, every size checked before anything is allocated.
+
+    ``make_config`` maps ``config.json`` to a :class:`GPTConfig` and ``make_state`` the file's tensors to ours.
+    Both first run on the safetensors header alone (meta tensors), and the model is built on the meta device,
+    so names, shapes and dtypes are compared without reading a weight or allocating one; only then are the
+    tensors read and the model built for real.
+    """
+    if dtype not in WEIGHT_DTYPES:
+        raise TypeError(f"dtype must be one of {', '.join(map(str, WEIGHT_DTYPES))}, got {dtype!r}")
+    config_file, weights_file = _checkpoint_files(path)
+    hf = _read_config(config_file)
+    try:
+        config = make_config(hf)
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"{config_file}: {err}") from None
+    state, src = make_state(_read_header(weights_file), config)
+    with torch.device("meta"):
+        skeleton = GPT(config)
+    _check_state(_expected(skeleton), state, src)
+    state, src = make_state(_read_tensors(weights_file), config)
+    return _check_and_load(GPT(config).to(dtype), state, src).eval()
 
 
 def _resolve(name_or_path, allowed_names: tuple[str, ...], cache_dir) -> Path:
@@ -57,54 +145,140 @@ def _resolve(name_or_path, allowed_names: tuple[str, ...], cache_dir) -> Path:
     return _download(str(name_or_path), cache_dir)
 
 
-def _download(repo_id: str, cache_dir) -> Path:
-    """Download config.json + model.safetensors through huggingface_hub, verifying the weights' sha256."""
+def _import_hub(repo_id: str):
     try:
         import huggingface_hub
     except ImportError as err:
         raise ImportError(f"downloading {repo_id!r} needs the optional package huggingface_hub "
                           f"(pip install huggingface_hub), or pass a local checkpoint folder") from err
-    import hashlib
+    return huggingface_hub
 
+
+def _download(repo_id: str, cache_dir) -> Path:
+    """The folder of ``repo_id``'s config.json + model.safetensors: the verified cached copy, else a download.
+
+    A cached copy is used, without any network, when its digest was recorded by an earlier verified download
+    and the file still has it. Otherwise one request asks the hub for the published sha256 (no retries: offline,
+    this fails at once), then huggingface_hub downloads both files and the weights are verified and recorded.
+    """
+    hub = _import_hub(repo_id)
+    folder = _cached_verified(hub, repo_id, cache_dir)
+    if folder is not None:
+        return folder
     try:
-        folder = None
-        for filename in ("config.json", "model.safetensors"):
-            local = huggingface_hub.hf_hub_download(repo_id, filename, cache_dir=cache_dir)
-            folder = Path(local).parent
-            if filename == "model.safetensors":
-                info = huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo_id, filename))
-                expected = (info.etag or "").strip('"')
-                if len(expected) == 64:  # LFS files: the etag is the sha256 of the content
-                    digest = hashlib.sha256()
-                    with open(local, "rb") as fh:
-                        for chunk in iter(lambda: fh.read(1 << 20), b""):
-                            digest.update(chunk)
-                    if digest.hexdigest() != expected:
-                        os.remove(local)
-                        raise CheckpointError(f"{filename} of {repo_id!r}: sha256 {digest.hexdigest()} does not "
-                                              f"match the published {expected}; the corrupt file was deleted")
+        expected = _published_sha256(hub, repo_id)
+        paths = [Path(hub.hf_hub_download(repo_id, name, cache_dir=cache_dir)) for name in (CONFIG_NAME, WEIGHTS_NAME)]
     except CheckpointError:
         raise
     except Exception as err:  # offline, hub unreachable, ...
         raise ConnectionError(f"could not download {repo_id!r} ({type(err).__name__}: {err}); without network, "
                               f"pass the path of a local folder holding config.json and model.safetensors") from err
-    return folder
+    weights = paths[1]
+    digest = _sha256_file(weights)
+    if digest != expected:
+        _remove_download(weights)
+        raise CheckpointError(f"{WEIGHTS_NAME} of {repo_id!r}: sha256 {digest} does not match the published "
+                              f"{expected}; the corrupt file was deleted")
+    try:
+        atomic_write_text(_record_path(weights), f"{digest}  {WEIGHTS_NAME}\n")
+    except OSError:  # a read-only cache: the next load verifies against the hub again
+        pass
+    return weights.parent
 
 
-def _check_and_load(model: GPT, state: dict[str, torch.Tensor], source: dict[str, str]) -> GPT:
-    """Load ``state`` (our names) into ``model`` after checking names and shapes; ``source`` maps to HF names."""
+def _published_sha256(hub, repo_id: str) -> str:
+    """The sha256 the hub publishes for ``repo_id``'s weights (an LFS file's etag is its sha256)."""
+    info = hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, WEIGHTS_NAME))
+    expected = (info.etag or "").strip('"').lower()
+    if not re.fullmatch(r"[0-9a-f]{64}", expected):
+        raise CheckpointError(f"the hub publishes no sha256 for {WEIGHTS_NAME} of {repo_id!r} (etag "
+                              f"{info.etag!r}): weights that cannot be verified are not loaded")
+    return expected
+
+
+def _cached_verified(hub, repo_id: str, cache_dir) -> Path | None:
+    """The cached folder of ``repo_id`` if its weights carry a digest recorded at download (no network)."""
+    paths = [hub.try_to_load_from_cache(repo_id, name, cache_dir=cache_dir) for name in (CONFIG_NAME, WEIGHTS_NAME)]
+    if not all(isinstance(p, str) for p in paths):
+        return None
+    weights = Path(paths[1])
+    try:
+        recorded = _record_path(weights).read_text(encoding="ascii")[:64]
+    except (OSError, ValueError):
+        return None
+    if not re.fullmatch(r"[0-9a-f]{64}", recorded):
+        return None
+    digest = _sha256_file(weights)
+    if digest != recorded:
+        _remove_download(weights)
+        raise CheckpointError(f"the cached {WEIGHTS_NAME} of {repo_id!r} ({weights}) has sha256 {digest}, not the "
+                              f"{recorded} verified when it was downloaded; the corrupt file was deleted: load it "
+                              f"again with network to download it again")
+    return weights.parent
+
+
+def _record_path(weights: Path) -> Path:
+    return weights.with_name(weights.name + ".sha256")
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _remove_download(weights: Path) -> None:
+    """Delete a cached download: huggingface_hub's blob behind the snapshot's link, the link, the record."""
+    blob = weights.resolve()
+    if blob != weights and blob.parent.name == "blobs":
+        blob.unlink(missing_ok=True)
+    weights.unlink(missing_ok=True)
+    _record_path(weights).unlink(missing_ok=True)
+
+
+def _expected(model: GPT) -> dict[str, torch.Tensor]:
+    """``model``'s tensors a checkpoint must provide (a tied unembedding is the embedding)."""
     expected = model.state_dict()
     if model.config.tie_weights:
         expected.pop("unembedding.weight", None)
+    return expected
+
+
+def _check_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], source: dict[str, str]) -> None:
+    """Every tensor of ``expected`` in ``state`` with the same shape and a floating-point dtype."""
     for name, ref in expected.items():
         if name not in state:
             raise CheckpointError(f"checkpoint is missing tensor {source.get(name, name)!r} (for {name})")
-        if tuple(state[name].shape) != tuple(ref.shape):
-            raise CheckpointError(f"tensor {source.get(name, name)!r} has shape {tuple(state[name].shape)}, "
-                                  f"expected {tuple(ref.shape)} (for {name})")
+        got = state[name]
+        if tuple(got.shape) != tuple(ref.shape):
+            raise CheckpointError(f"tensor {source.get(name, name)!r} has shape {tuple(got.shape)}, but config.json "
+                                  f"implies {tuple(ref.shape)} (for {name})")
+        if got.dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"tensor {source.get(name, name)!r} is stored as {str(got.dtype)[6:]}: this "
+                                  f"loader reads floating-point weights only (float16, bfloat16, float32, float64); "
+                                  f"quantized checkpoints need their own dequantization")
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], source: dict[str, str], dtype: torch.dtype) -> None:
+    for name, value in tensors.items():
+        if not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"tensor {source.get(name, name)!r} holds values that are not finite in {dtype} "
+                                  f"(inf or nan; e.g. 1e300 overflows float32, 1e5 float16)")
+
+
+def _check_and_load(model: GPT, state: dict[str, torch.Tensor], source: dict[str, str]) -> GPT:
+    """Load ``state`` (our names) into ``model`` after checking names, shapes, dtypes and finite values.
+
+    ``source`` maps our names to the checkpoint's (for the messages).
+    """
+    expected = _expected(model)
+    _check_state(expected, state, source)
     with torch.no_grad():
         for name, ref in expected.items():
             ref.copy_(state[name].to(ref.dtype))
+    _check_finite(expected, source, next(iter(expected.values())).dtype)
     return model
 
 
@@ -114,12 +288,14 @@ def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return tensors.pop(name)
 
 
-def _cfg(hf: dict, key: str, default=None):
-    if key in hf:
-        return hf[key]
-    if default is None:
-        raise CheckpointError(f"config.json has no {key!r}")
-    return default
+def _cfg(hf: dict, key: str) -> int:
+    """The positive integer ``hf[key]`` (a size or a count), or a :class:`CheckpointError` naming the key."""
+    if key not in hf:
+        raise CheckpointError(f"the config has no {key!r}")
+    value = hf[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"the config's {key!r} must be a positive integer, got {value!r}")
+    return value
 
 
 def gpt2_config(hf: dict) -> GPTConfig:
@@ -132,8 +308,9 @@ def gpt2_config(hf: dict) -> GPTConfig:
     if act not in activations:
         raise CheckpointError(f"unsupported GPT-2 activation_function {act!r}")
     d = _cfg(hf, "n_embd")
+    d_ff = _cfg(hf, "n_inner") if hf.get("n_inner") is not None else 4 * d
     return GPTConfig(vocab_size=_cfg(hf, "vocab_size"), context_length=_cfg(hf, "n_positions"), d_model=d,
-                     n_layers=_cfg(hf, "n_layer"), n_heads=_cfg(hf, "n_head"), d_ff=hf.get("n_inner") or 4 * d,
+                     n_layers=_cfg(hf, "n_layer"), n_heads=_cfg(hf, "n_head"), d_ff=d_ff,
                      positional="learned", norm="layernorm", norm_position="pre", tie_weights=True,
                      activation=activations[act], norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
 
@@ -180,7 +357,7 @@ def gpt2_state_dict(tensors: dict[str, torch.Tensor], config: GPTConfig) -> tupl
     put("final_norm.bias", "ln_f.bias")
     if t:
         raise CheckpointError(f"unexpected tensor(s) in the checkpoint: {sorted(t)[:5]}")
-    if lm_head is not None and not torch.equal(lm_head, state["token_embedding.weight"]):
+    if lm_head is not None and not lm_head.is_meta and not torch.equal(lm_head, state["token_embedding.weight"]):
         raise CheckpointError("tensor 'lm_head.weight' differs from 'wte.weight', but GPT-2 ties them")
     return state, src
 
@@ -192,12 +369,11 @@ def load_gpt2(name_or_path: str | os.PathLike = "gpt2", *, cache_dir=None, dtype
     ``name_or_path`` is a local folder with ``config.json`` and ``model.safetensors`` (no network needed) or one
     of ``"gpt2"``, ``"gpt2-medium"``, ``"gpt2-large"``, ``"gpt2-xl"``, downloaded through the optional package
     ``huggingface_hub`` and cached; the weights' sha256 is checked against the hub's published LFS hash (the
-    etag). Offline, a name fails with ``ConnectionError``. ``tokenizer=False`` returns ``(model, None)``.
+    etag) and recorded beside the cached file, so later loads need no network. Offline and without a verified
+    cached copy, a name fails at once with ``ConnectionError``. ``tokenizer=False`` returns ``(model, None)``
+    (the tokenizer comes from :func:`~groundup.tokenizers.load_gpt2_tokenizer`, cached on its own).
     """
-    hf, tensors = _read_folder(_resolve(name_or_path, GPT2_NAMES, cache_dir))
-    config = gpt2_config(hf)
-    state, src = gpt2_state_dict(tensors, config)
-    model = _check_and_load(GPT(config), state, src).to(dtype).eval()
+    model = _load_checked(_resolve(name_or_path, GPT2_NAMES, cache_dir), gpt2_config, gpt2_state_dict, dtype)
     tok = None
     if tokenizer:
         from groundup.tokenizers import load_gpt2_tokenizer
@@ -255,7 +431,8 @@ def llama_state_dict(tensors: dict[str, torch.Tensor], config: GPTConfig) -> tup
     put("final_norm.weight", "model.norm.weight")
     lm_head = t.pop("lm_head.weight", None)
     if config.tie_weights:
-        if lm_head is not None and not torch.equal(lm_head, state["token_embedding.weight"]):
+        if lm_head is not None and not lm_head.is_meta and not torch.equal(lm_head,
+                                                                            state["token_embedding.weight"]):
             raise CheckpointError("tie_word_embeddings is true but 'lm_head.weight' differs from the embedding")
     else:
         if lm_head is None:
@@ -276,7 +453,4 @@ def load_llama(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a checkpoint folder")
-    hf, tensors = _read_folder(path)
-    config = llama_config(hf)
-    state, src = llama_state_dict(tensors, config)
-    return _check_and_load(GPT(config), state, src).to(dtype).eval()
+    return _load_checked(path, llama_config, llama_state_dict, dtype)
