@@ -606,3 +606,100 @@ def test_qk_norm_normalises_heads_before_rotary():
     s = s.masked_fill(~causal_mask(3), float("-inf"))
     o = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(1, 3, 8) @ mha.W_o.weight.T
     torch.testing.assert_close(mha(x, mask=causal_mask(3), rotary=rope), o, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- stacked projection weights kept for inference
+
+
+def _fresh_output(attn, x, context=None):
+    """The output with the weights stacked anew (autograd records the weights, so nothing is reused)."""
+    with torch.enable_grad():
+        return attn(x, context).detach()
+
+
+def _edits():
+    """Ways a weight changes between two forward passes, each applied to a MultiHeadAttention."""
+    def no_grad_edit(a):
+        with torch.no_grad():
+            a.W_k.weight.mul_(2)
+
+    def optimizer_step(a):
+        opt = torch.optim.SGD(a.parameters(), lr=0.1)
+        with torch.enable_grad():
+            a(torch.randn(2, 4, a.d_model, generator=_gen(5))).square().sum().backward()
+        opt.step()
+
+    def load_state_dict(a):
+        a.load_state_dict(MultiHeadAttention(a.d_model, a.n_heads, n_kv_heads=a.n_kv_heads).state_dict())
+
+    def replace_layer(a):
+        a.W_v = nn.Linear(a.d_model, a.W_v.out_features)
+
+    def replace_parameter(a):
+        a.W_q.bias = nn.Parameter(torch.randn(a.W_q.out_features))
+
+    def swap_storage(a):
+        a.W_k.weight.data = a.W_k.weight.data * 3  # a new storage: another data_ptr
+
+    return [no_grad_edit, optimizer_step, load_state_dict, replace_layer, replace_parameter, swap_storage]
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 2])
+@pytest.mark.parametrize("edit", _edits(), ids=lambda f: f.__name__)
+def test_stacked_weights_are_reused_at_inference_and_renewed_after_any_edit(n_kv_heads, edit):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, n_kv_heads=n_kv_heads)
+    x = torch.randn(2, 5, 16, generator=_gen(1))
+    with torch.no_grad():
+        before = attn(x)
+        stacked = attn._stacked_weights(("W_q", "W_k", "W_v"))
+        assert attn._stacked_weights(("W_q", "W_k", "W_v")) is stacked  # no concatenation on the second call
+        assert torch.equal(attn(x), before)
+    assert torch.equal(before, _fresh_output(attn, x))  # bit for bit the stacking done while training
+    edit(attn)
+    with torch.no_grad():
+        after = attn(x)
+    assert torch.equal(after, _fresh_output(attn, x))
+    assert not torch.allclose(after, before)  # the edit did change the output: a stale copy would fail above
+
+
+def test_stacked_weights_for_cross_attention_follow_edits_too():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4)
+    x, context = torch.randn(2, 3, 16, generator=_gen(1)), torch.randn(2, 6, 16, generator=_gen(2))
+    with torch.inference_mode():
+        before = attn(x, context)
+    assert torch.equal(before, _fresh_output(attn, x, context))
+    with torch.no_grad():
+        attn.W_v.bias.add_(1.0)
+        after = attn(x, context)
+    assert torch.equal(after, _fresh_output(attn, x, context)) and not torch.allclose(after, before)
+
+
+def test_stacked_weights_made_in_inference_mode_serve_frozen_training():
+    # Frozen weights, an input that needs gradients (an adapter or a prompt being trained): the kept copy made under
+    # inference_mode must be an ordinary tensor that autograd can save.
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4).requires_grad_(False)
+    x = torch.randn(2, 5, 16, generator=_gen(1), requires_grad=True)
+    with torch.inference_mode():
+        attn(x.detach())
+    attn(x).sum().backward()
+    ref = MultiHeadAttention(16, 4)
+    ref.load_state_dict(attn.state_dict())
+    x2 = x.detach().clone().requires_grad_(True)
+    ref(x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_training_gradients_reach_every_projection():
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4)
+    with torch.no_grad():
+        attn(torch.randn(1, 3, 16))  # a kept copy exists; training must not use it
+    ref = _copy_to_torch(attn)
+    x = torch.randn(2, 5, 16, generator=_gen(1))
+    attn(x).sum().backward()
+    ref(x, x, x, need_weights=False)[0].sum().backward()
+    grads = torch.cat([attn.W_q.weight.grad, attn.W_k.weight.grad, attn.W_v.weight.grad])
+    torch.testing.assert_close(grads, ref.in_proj_weight.grad, rtol=1e-5, atol=1e-5)

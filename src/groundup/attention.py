@@ -209,6 +209,12 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+def _stack(layers) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of linear ``layers`` stacked along the output dimension, and their biases (or None)."""
+    weight = torch.cat([layer.weight for layer in layers])
+    return weight, None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention: ``W_o · concat(head_1, ..., head_{n_heads})``, each head attending on its own.
 
@@ -287,18 +293,43 @@ class MultiHeadAttention(nn.Module):
     def _project(self, x: torch.Tensor, context: torch.Tensor | None, need_kv: bool):
         """Queries from ``x``, keys and values from ``context`` (or ``x``); one fused matmul when possible."""
         if context is None and need_kv:  # self-attention: one (d_model -> 3 * inner) matmul instead of three
-            w = torch.cat([self.W_q.weight, self.W_k.weight, self.W_v.weight])
-            b = None if self.W_q.bias is None else torch.cat([self.W_q.bias, self.W_k.bias, self.W_v.bias])
+            w, b = self._stacked_weights(("W_q", "W_k", "W_v"))
             inner, inner_kv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
             return F.linear(x, w, b).split([inner, inner_kv, inner_kv], dim=-1)
         q = self.W_q(x)
         if not need_kv:
             return q, None, None
-        src = x if context is None else context
-        w = torch.cat([self.W_k.weight, self.W_v.weight])
-        b = None if self.W_k.bias is None else torch.cat([self.W_k.bias, self.W_v.bias])
-        k, v = F.linear(src, w, b).chunk(2, dim=-1)
+        w, b = self._stacked_weights(("W_k", "W_v"))
+        k, v = F.linear(x if context is None else context, w, b).chunk(2, dim=-1)
         return q, k, v
+
+    def _stacked_weights(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weights (and biases) of the layers ``names`` stacked into one matrix (and one vector).
+
+        While autograd records the weights (training), they are stacked anew on every call, inside the graph. At
+        inference (``torch.no_grad``, ``torch.inference_mode`` or frozen weights) the stacked copy is kept and
+        reused until a weight changes: a weight replaced, moved, converted (another tensor or another storage)
+        or edited in place (optimizer steps, ``load_state_dict``, edits under ``torch.no_grad``: each bumps the
+        tensor's version counter). An edit through ``.data`` bypasses the version counter; after one, call
+        :meth:`clear_stacked_weights`.
+        """
+        layers = [getattr(self, name) for name in names]
+        tensors = [layer.weight for layer in layers] + [layer.bias for layer in layers if layer.bias is not None]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return _stack(layers)
+        stamp = [(t.data_ptr(), _version(t)) for t in tensors]
+        cached = self.__dict__.setdefault("_stacked", {}).get(names)
+        if cached is not None and len(cached[0]) == len(tensors) and all(
+                a is t for a, t in zip(cached[0], tensors, strict=True)) and cached[1] == stamp:
+            return cached[2]
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable outside inference mode too
+            stacked = _stack(layers)
+        self._stacked[names] = (tensors, stamp, stacked)
+        return stacked
+
+    def clear_stacked_weights(self) -> None:
+        """Forget the stacked projection weights kept for inference (see :meth:`_stacked_weights`)."""
+        self.__dict__.get("_stacked", {}).clear()
 
     def _check_input(self, name: str, t, batch: int | None = None) -> None:
         if not isinstance(t, torch.Tensor):
