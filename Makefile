@@ -3,8 +3,17 @@
 #   make test   ruff, unit tests, every notebook under nbval, the book build and its browser checks
 #   make lab    JupyterLab on notebooks/          make bench   the performance figures
 # Every target sets up .venv first (idempotent): torch==2.13.0, then requirements.lock, then groundup.
+#   make setup PYTHON=python3.12             the interpreter .venv is made from (Python 3.11.5 or newer)
+#   make setup TORCH_INDEX=                  torch from the package index alone (on Linux: the CUDA build)
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128   a CUDA build from PyTorch's own index
+# (to change the torch build of an existing .venv, remove .venv first)
 
 PYTHON ?= python3
+PYTHON_MIN := 3.11.5
+# PyTorch's index of CPU-only wheels, searched besides the package index for torch (whose Linux wheel there is
+# the CUDA build, gigabytes). --retries 0: where that index cannot be reached, pip warns once per page and goes
+# on with the package index instead of retrying each page five times.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.groundup-installed
@@ -17,13 +26,25 @@ ifneq ($(wildcard $(SHARED_DATA)/tinyshakespeare.txt),)
 export GROUNDUP_DATA_DIR ?= $(SHARED_DATA)
 endif
 
-.PHONY: setup data book test lint unit notebooks book-check bench bench-quality lab clean
+.PHONY: setup python-version data book test lint unit notebooks book-check bench bench-quality lab clean
 
 setup: $(STAMP)
 
-$(STAMP): requirements.lock pyproject.toml
+# The interpreter .venv is (or will be) made from must be Python $(PYTHON_MIN)+: checked before anything is installed.
+python-version:
+	@py=$(PY); test -x $$py || py=$(PYTHON); \
+	if ! $$py -c 'import sys; sys.exit(sys.version_info[:3] < tuple(map(int, "$(PYTHON_MIN)".split("."))))' \
+	  2>/dev/null; then \
+	  version=$$($$py -V 2>&1) || version="not found"; \
+	  echo "error: the book needs Python $(PYTHON_MIN) or newer (the versions in requirements.lock do)," \
+	    "but $$py is $$version. Run, e.g.: make setup PYTHON=python3.12" \
+	    "(after rm -rf $(VENV) if $(VENV) was made by the older Python)." >&2; exit 1; fi
+
+$(STAMP): requirements.lock pyproject.toml | python-version
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check \
+		$(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --retries 0) torch==2.13.0
+	@$(PY) -c 'import torch; print("torch", torch.__version__, f"(CUDA {torch.version.cuda})" if torch.version.cuda else "(CPU only)")'
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (groundup)" >/dev/null
