@@ -3,11 +3,17 @@ treats the unattempted stub kindly and reports answers that modify their inputs.
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
+from groundup import quantization as Q
 from groundup.exercises.ch12 import (
+    check_decode_q4_1_block,
+    check_gguf_bytes,
     check_gpt2_parameter_count,
     check_rotary_permutation,
     check_split_c_attn,
+    gguf_tensor_bytes,
     gpt2_parameters,
 )
 from groundup.models import GPT, GPTConfig
@@ -130,3 +136,96 @@ def test_non_permutation_is_rejected(capsys):
 def test_tensor_permutation_is_accepted(capsys):
     ok, out = verdict(check_rotary_permutation, lambda d: torch.tensor(permutation_solution(d)), capsys)
     assert ok, out
+
+
+# --- 12.6 and 12.7: quantization -----------------------------------------------------------------------------
+
+
+def decode_q4_1_solution(block):
+    d, m = block[:4].view(torch.float16).float()
+    packed = block[4:]
+    q = torch.cat([packed & 0x0F, packed >> 4]).float()
+    return d * q + m
+
+
+def gguf_bytes_solution(n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, matrices, embedding):
+    size = {"F32": 4, "F16": 2, "Q8_0": 34 / 32, "Q4_1": 20 / 32}
+    d_kv = d_model // n_heads * n_kv_heads
+    per_block = 2 * d_model * d_model + 2 * d_model * d_kv + 3 * d_model * d_ff
+    return round(n_layers * per_block * size[matrices] + vocab_size * d_model * size[embedding]
+                 + (2 * n_layers + 1) * d_model * 4)
+
+
+@pytest.mark.parametrize("checker, solution", [(check_decode_q4_1_block, decode_q4_1_solution),
+                                               (check_gguf_bytes, gguf_bytes_solution)])
+def test_quantization_references_pass_and_stubs_are_not_attempted(checker, solution, capsys):
+    ok, out = verdict(checker, solution, capsys)
+    assert ok and "✅" in out, out
+    ok, out = verdict(checker, stub, capsys)
+    assert not ok and "not attempted yet" in out
+
+
+def test_q4_1_neighbouring_nibbles_are_named(capsys):
+    def neighbours(block):
+        d, m = block[:4].view(torch.float16).float()
+        packed = block[4:]
+        return d * torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1).float() + m
+
+    ok, out = verdict(check_decode_q4_1_block, neighbours, capsys)
+    assert not ok and "not neighbours" in out, out
+
+
+def test_q4_1_without_the_minimum_is_named(capsys):
+    ok, out = verdict(check_decode_q4_1_block, lambda b: decode_q4_1_solution(b) - b[2:4].view(torch.float16).float(),
+                      capsys)
+    assert not ok and "x = d q + m" in out, out
+
+
+@pytest.mark.parametrize("package_call", [
+    lambda b: Q.dequantize(b, Q.Q4_1, (32,)),
+    lambda b: Q.q4_1_decode_blocks(*(t.view(torch.float16) for t in b[:4].reshape(2, 2)),
+                                   Q.unpack_nibbles(b[4:][None]))[0],
+    lambda b: torch.from_numpy(gguf_quants.dequantize(b.numpy(), GGMLQuantizationType.Q4_1)),
+])
+def test_q4_1_package_decoders_are_refused(package_call, capsys):
+    ok, out = verdict(check_decode_q4_1_block, package_call, capsys)
+    assert not ok and "decode the bytes yourself" in out, out
+
+
+def test_q4_1_answers_that_are_not_plain_dense_tensors_are_refused(capsys):
+    ok, out = verdict(check_decode_q4_1_block, lambda b: decode_q4_1_solution(b).to_sparse(), capsys)
+    assert not ok and "layout torch.sparse_coo" in out, out
+    ok, out = verdict(check_decode_q4_1_block, lambda b: decode_q4_1_solution(b).tolist(), capsys)
+    assert not ok and "returned list" in out, out
+
+
+def test_gguf_bytes_is_the_file_of_smollm2_and_the_parameter_count_of_its_gpt():
+    # The file's tensor data: 98,362,432 bytes in all, of which the first 1,785,664 are header, metadata and table.
+    assert gguf_tensor_bytes(30, 576, 9, 3, 1536, 49152, "Q4_1", "Q8_0") == 98_362_432 - 1_785_664
+    def count(vocab_size, n_layers):  # SmolLM2's GPT, small enough to build here
+        config = GPTConfig(vocab_size=vocab_size, context_length=64, d_model=576, n_layers=n_layers, n_heads=9,
+                           n_kv_heads=3, d_ff=1536, positional="rope", norm="rmsnorm", activation="swiglu", bias=False)
+        return sum(p.numel() for p in GPT(config).parameters())
+
+    one_block = count(32, 2) - count(32, 1)
+    n_parameters = count(32, 1) + 29 * one_block + (49152 - 32) * (count(33, 1) - count(32, 1))
+    assert n_parameters == 134_515_008
+    assert gguf_tensor_bytes(30, 576, 9, 3, 1536, 49152, "F32", "F32") == 4 * n_parameters
+
+
+def test_gguf_bytes_without_block_scales_is_named(capsys):
+    def four_bits(n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, matrices, embedding):
+        size = {"F32": 4, "F16": 2, "Q8_0": 1, "Q4_1": 0.5}
+        d_kv = d_model // n_heads * n_kv_heads
+        per_block = 2 * d_model * d_model + 2 * d_model * d_kv + 3 * d_model * d_ff
+        return round(n_layers * per_block * size[matrices] + vocab_size * d_model * size[embedding]
+                     + (2 * n_layers + 1) * d_model * 4)
+
+    ok, out = verdict(check_gguf_bytes, four_bits, capsys)
+    assert not ok and "34 bytes per 32 numbers" in out, out
+
+
+def test_gguf_bytes_with_full_size_key_value_heads_is_named(capsys):
+    ok, out = verdict(check_gguf_bytes, lambda n, d, h, kv, f, v, m, e: gguf_bytes_solution(n, d, h, h, f, v, m, e),
+                      capsys)
+    assert not ok and "grouped-query attention" in out, out
