@@ -138,7 +138,8 @@ def q8_0_encode_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def q8_0_decode_blocks(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``x = d q`` in float32, block by block: ``d`` ``(n,)``, ``q`` ``(n, 32)`` -> ``(n, 32)``."""
-    return q.to(torch.float32) * d.to(torch.float32)[:, None]
+    x = q.to(torch.float32, copy=True)  # a new buffer even when q is already float32
+    return x.mul_(d.to(torch.float32)[:, None])  # in place: one buffer for the whole tensor, not two
 
 
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +169,10 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Bytes ``(n, 16)`` -> 4-bit numbers ``(n, 32)``: the low halves of the bytes first, then the high halves."""
-    return torch.cat([packed & 0x0F, packed >> 4], dim=1)
+    q = torch.empty(packed.shape[0], 2, packed.shape[1], dtype=torch.uint8)
+    torch.bitwise_and(packed, 0x0F, out=q[:, 0])
+    torch.bitwise_right_shift(packed, 4, out=q[:, 1])
+    return q.view(packed.shape[0], -1)
 
 
 def q4_1_encode_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -182,7 +186,9 @@ def q4_1_encode_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def q4_1_decode_blocks(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``x = d q + m`` in float32, block by block: ``d``, ``m`` ``(n,)``, ``q`` ``(n, 32)`` -> ``(n, 32)``."""
-    return d.to(torch.float32)[:, None] * q.to(torch.float32) + m.to(torch.float32)[:, None]
+    x = q.to(torch.float32, copy=True)  # a new buffer even when q is already float32
+    # In place, one buffer for the whole tensor; two roundings (d q, then + m), exactly as llama.cpp and gguf.
+    return x.mul_(d.to(torch.float32)[:, None]).add_(m.to(torch.float32)[:, None])
 
 
 def quantize_q4_1(x: torch.Tensor) -> torch.Tensor:
@@ -195,8 +201,7 @@ def dequantize_q4_1(raw: torch.Tensor, shape) -> torch.Tensor:
     """Q4_1 bytes -> a float32 tensor of ``shape`` (PyTorch order: the last size is the contiguous one)."""
     shape = _check_shape(shape, Q4_1)
     blocks = _check_raw(raw, Q4_1, shape)
-    d = _float16_from_bytes(blocks[:, 0:2])
-    m = _float16_from_bytes(blocks[:, 2:4])
+    d, m = _float16_from_bytes(blocks[:, :4]).view(-1, 2).unbind(dim=1)
     return q4_1_decode_blocks(d, m, unpack_nibbles(blocks[:, 4:])).reshape(shape)
 
 
