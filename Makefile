@@ -51,7 +51,7 @@ $(STAMP): requirements.lock pyproject.toml | python-version
 	@touch $@
 
 data: setup
-	$(PY) -m groundup.data shakespeare gpt2.tiktoken
+	$(PY) -m groundup.data shakespeare gpt2.tiktoken smollm2
 
 book: setup
 	$(PY) tools/build_book.py
