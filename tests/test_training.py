@@ -1,6 +1,7 @@
 """groundup.training: the schedule, the parameter groups, evaluation, the loop, checkpoints and exact resumption."""
 
 import dataclasses
+import json
 import math
 import signal
 
@@ -214,7 +215,7 @@ def test_checkpoint_loading_refuses_pickled_code(tmp_path):
     (lambda c: c.update(format="something-else"), "has format"),
     (lambda c: c.update(model_class="Transformer9000"), "unknown model class"),
     (lambda c: c["model_config"].update(d_model=17), "invalid model configuration"),
-    (lambda c: c["model"].pop("final_norm.weight"), "do not fit the model"),
+    (lambda c: c["model"].pop("final_norm.weight"), "do not (fit the model|match the stored model configuration)"),
     (lambda c: c.update(step="12"), "'step' is missing or not a int"),
 ])
 def test_corrupt_checkpoints_give_clear_errors(tmp_path, damage, message):
@@ -254,6 +255,8 @@ def test_an_existing_run_is_not_overwritten(tmp_path):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_after_a_crash_ends_bit_for_bit_like_an_uninterrupted_run(tmp_path, monkeypatch, optimizer):
+    """Bit for bit on any CPU: both runs do the same operations on the same numbers in the same process, Muon's
+    bfloat16 products included; only the state between the steps goes through the checkpoint, exactly."""
     data, val = pattern_data(), pattern_data(seed=1)
     common = dict(max_steps=40, eval_interval=10, optimizer=optimizer)
     whole = tiny_model(dropout=0.1)
@@ -402,7 +405,7 @@ def test_muon_step_is_pytorchs_muon_and_adamw_step(tmp_path):
     muon.step()
     adamw.step()
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=f"{name} differs")
+        assert torch.equal(p, q), f"{name} differs"  # the same operations on the same numbers: bit for bit
 
 
 def test_optimizer_names_are_checked_and_states_do_not_mix(tmp_path):
@@ -412,3 +415,127 @@ def test_optimizer_names_are_checked_and_states_do_not_mix(tmp_path):
     opt = training.MuonAdamW(tiny_model(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     with pytest.raises(ValueError, match="optimizer state does not fit"):
         load_checkpoint(tmp_path, tiny_model(), optimizer=opt)
+
+
+# --- exact micro-batches, diverged runs, stale files, crafted steps (issue 21) --------------------------------
+
+
+def dates_setup(batch_size=16):
+    """Chapter 10's dates task at a small size: an EncoderDecoder and padded batches of dates of unequal length."""
+    from groundup.models import EncoderDecoder, EncoderDecoderConfig
+    from groundup.seq2seq import batches, date_splits, date_tokenizers, encode_pairs
+
+    src_tok, tgt_tok = date_tokenizers()
+    train_pairs, _, _ = date_splits(2000, 100, 10)
+    torch.manual_seed(0)
+    model = EncoderDecoder(EncoderDecoderConfig(
+        src_vocab_size=src_tok.vocab_size, tgt_vocab_size=tgt_tok.vocab_size, context_length=24, d_model=16, d_ff=32,
+        n_encoder_layers=1, n_decoder_layers=1, n_heads=2))
+    inputs, y = batches(encode_pairs(train_pairs, src_tok, tgt_tok), batch_size, 24, torch.Generator().manual_seed(0))
+    return model, inputs, y
+
+
+class _NoStop:
+    requested = False
+
+
+def gradients_of_split_step(model, inputs, y, accumulate):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    loss = training._split_step(model, inputs, y, "cpu", optimizer, 0, 1, accumulate, _NoStop())
+    return loss, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("accumulate", [2, 4, 8])
+def test_accumulated_micro_batches_give_the_whole_padded_batchs_gradient(accumulate):
+    """The micro-batches' losses are weighted by the targets they count, so accumulating equals the whole batch.
+
+    In float64, so the comparison is of the formulas, not of float32 rounding (any CPU): equal to 1e-12 against
+    gradient entries of about 0.1. The batch is padded: its micro-batches count different numbers of targets,
+    where the plain mean of the micro-batch means is off by far more (checked too).
+    """
+    model, inputs, y = dates_setup()
+    model.double()
+    counts = [training.counted_targets(model, part) for part in y.chunk(accumulate)]
+    assert len(set(counts)) > 1, "the test needs micro-batches of unequal target counts"
+    assert sum(counts) == training.counted_targets(model, y) == int((y != model.config.pad_id).sum())
+    model.zero_grad()
+    whole_loss = model(*inputs, y)[1]
+    whole_loss.backward()
+    whole = [p.grad.clone() for p in model.parameters()]
+    loss, split = gradients_of_split_step(model, inputs, y, accumulate)
+    assert loss.item() == pytest.approx(whole_loss.item(), rel=1e-6)  # returned in float32
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    # what the old code did -- backpropagate the mean of the micro-batch means -- misses by far more
+    model.zero_grad()
+    for part in zip(*(t.chunk(accumulate) for t in (*inputs, y))):
+        (model(*part)[1] / accumulate).backward()
+    assert max((a - p.grad).abs().max().item() for a, p in zip(whole, model.parameters())) > 1e-5
+
+
+def test_counted_targets_follow_each_models_ignore_rule():
+    model, _, y = dates_setup(batch_size=4)
+    pad = model.config.pad_id
+    assert training.counted_targets(model, y) == int((y != pad).sum()) < y.numel()
+    y2 = y.clone()
+    y2[0, 0] = -100
+    assert y[0, 0] != pad and training.counted_targets(model, y2) == int((y != pad).sum()) - 1
+    gpt_targets = torch.tensor([[1, 2, -100], [pad, -100, 3]])
+    assert training.counted_targets(tiny_model(), gpt_targets) == 4  # a GPT ignores -100 only, even a 0
+
+
+def test_a_diverged_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    """Issue 21: train --lr 1e4 --grad-clip 0 replaced the good checkpoint by a nan one and exited 0."""
+    def poison(step, model):  # called after the checkpoint of step 20: a parameter turns nan, as after a blow-up
+        if step == 20:
+            with torch.no_grad():
+                model.blocks[0].ffn.W_in.weight[0, 0] = math.nan
+
+    with pytest.raises(training.TrainingDiverged) as caught:
+        train(tiny_model(), pattern_data(), pattern_data(), config(max_steps=30, out_dir=tmp_path), callback=poison)
+    message = str(caught.value)
+    assert "training diverged at step 21: the training loss is nan" in message
+    assert f"the last good checkpoint (step 20) in {tmp_path} is kept" in message
+    assert "lower learning rate (--lr" in message and "--grad-clip" in message
+    _, ckpt = load_checkpoint(tmp_path)
+    assert ckpt["step"] == 20 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    assert json.loads((tmp_path / HISTORY_NAME).read_text())["step"][-1] == 20
+    assert isinstance(caught.value, ValueError), "the command line reports it as an error (exit status 1)"
+
+
+def test_a_learning_rate_that_blows_up_stops_with_a_clear_error_and_no_nan_checkpoint(tmp_path):
+    with pytest.raises(training.TrainingDiverged, match=r"not finite.*--lr.*now 10000.*--grad-clip 1.*now off"):
+        train(tiny_model(), pattern_data(), pattern_data(),
+              config(max_steps=200, learning_rate=1e4, warmup_steps=0, grad_clip=None, eval_interval=1,
+                     out_dir=tmp_path))
+    if (tmp_path / training.CHECKPOINT_NAME).exists():
+        _, ckpt = load_checkpoint(tmp_path)
+        assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+        assert all(math.isfinite(v) for v in ckpt["history"]["val_loss"])
+
+
+def test_stale_temporary_files_of_a_killed_write_are_removed_on_start_and_resume(tmp_path):
+    """Issue 21: SIGKILL during an atomic write leaves .checkpoint.pt.XXXX.tmp (as large as a checkpoint)."""
+    stale = [tmp_path / ".checkpoint.pt.k3j_x9ab.tmp", tmp_path / ".history.json.a1b2c3d4.tmp"]
+    kept = [tmp_path / "notes.tmp", tmp_path / ".checkpoint.pt.backup", tmp_path / ".other.pt.abcd1234.tmp"]
+    for path in stale + kept:
+        path.write_bytes(b"half a file")
+    train(tiny_model(), pattern_data(), pattern_data(), config(max_steps=10, out_dir=tmp_path))
+    assert not any(path.exists() for path in stale) and all(path.exists() for path in kept)
+    for path in stale:
+        path.write_bytes(b"half a file")
+    train(tiny_model(), pattern_data(), pattern_data(), config(max_steps=20, out_dir=tmp_path, resume=True))
+    assert not any(path.exists() for path in stale) and all(path.exists() for path in kept)
+    assert training.remove_stale_temporary_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("step, message", [(-3, "saved at step -3, outside"), (31, "saved at step 31, outside"),
+                                           (7, "saved at step 7 but its history holds 10 steps")])
+def test_a_checkpoint_with_a_crafted_step_is_refused(tmp_path, step, message):
+    train(tiny_model(), pattern_data(), pattern_data(), config(max_steps=10, out_dir=tmp_path))
+    path = tmp_path / training.CHECKPOINT_NAME
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["step"] = step
+    torch.save(ckpt, path)
+    with pytest.raises(ValueError, match=message):
+        train(tiny_model(), pattern_data(), pattern_data(), config(max_steps=30, out_dir=tmp_path, resume=True))

@@ -25,6 +25,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -42,7 +43,8 @@ from groundup.utils import atomic_write_bytes, default_device, threads
 
 __all__ = ["TrainConfig", "History", "train", "evaluate", "lr_at", "param_groups", "MuonAdamW", "muon_parameters",
            "save_checkpoint",
-           "load_checkpoint", "CHECKPOINT_NAME", "HISTORY_NAME"]
+           "load_checkpoint", "counted_targets", "TrainingDiverged",
+           "remove_stale_temporary_files", "CHECKPOINT_NAME", "HISTORY_NAME"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
 """The file name :func:`train` writes its checkpoint to inside ``TrainConfig.out_dir``."""
@@ -457,6 +459,7 @@ class _StopRequest:
 
     def __init__(self):
         self.requested = False
+        self.agreed = False  # several processes: whether any had asked at the last all-reduce (see _split_step)
         self._previous = None
 
     def __enter__(self):
@@ -507,15 +510,21 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
     what is computed (chapter 11). Every process draws the same whole batch from the same generator; with
     ``distributed=True`` (a ``torch.distributed`` process group must be initialised, e.g. by ``torchrun``) process
     ``r`` of ``p`` keeps rows ``r B/p ... (r+1) B/p - 1``, runs the model wrapped in ``DistributedDataParallel``
-    (which averages the gradients over the processes during ``backward``), and only process 0 writes checkpoints,
-    the history, the progress bar and calls ``callback``. ``accumulate=a`` cuts each process's rows into ``a``
-    micro-batches whose gradients are summed (each loss divided by ``a``) before one update: gradient accumulation,
-    the single-process twin. Both give the gradient of the mean loss over the whole batch when every micro-batch
-    has the same number of predicted tokens (true for next-token windows), so the parameters equal a
-    one-process run's up to float rounding; the recorded loss is the whole batch's mean. The batch sampler's
-    state does not depend on ``p`` or ``a``, so a run can resume with a different number of processes. All
-    processes share one global random stream (dropout), and a time budget is refused (processes would disagree
-    about when time is up).
+    (which all-reduces the gradients during ``backward``), and only process 0 writes checkpoints, the history, the
+    progress bar and calls ``callback``. ``accumulate=a`` cuts each process's rows into ``a`` micro-batches whose
+    gradients are summed before one update: gradient accumulation, the single-process twin. Each micro-batch's
+    loss is weighted by the number of targets it counts (:func:`counted_targets`), so both give the gradient of
+    the mean loss over the whole batch's counted targets, padded batches included; the recorded loss is that mean.
+    What "the same" means (chapter 11): ``p`` processes make bit for bit the updates of one process accumulating
+    ``p`` micro-batches (same rows, same arithmetic; ``p`` a power of two, one thread per process); one process
+    on the whole batch adds the same numbers in another order, so its parameters differ by float32 rounding, which
+    Muon's bfloat16 orthogonalisation enlarges to about bfloat16's rounding (2^-8) times the step size. The batch
+    sampler's state does not depend on ``p`` or ``a``, so a run can resume with a different number of processes.
+    All processes share one global random stream (dropout), and a time budget is refused (processes would
+    disagree about when time is up).
+
+    A loss or gradient norm that is not finite (a diverged run: too high a learning rate, no clipping) stops
+    training with :class:`TrainingDiverged` before the update; the last checkpoint written stays the last good one.
     """
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be one of the book's models (GPT, ...), got {type(model).__name__}")
@@ -549,19 +558,30 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
         if config.resume and not ckpt_path.exists():
             raise FileNotFoundError(f"resume=True, but {ckpt_path} does not exist")
         out.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            remove_stale_temporary_files(out)
     if config.resume:
         _, ckpt = load_checkpoint(ckpt_path, model, optimizer=optimizer, scheduler=scheduler)
         model.to(device)
         start = ckpt["step"]
         history = History.from_dict(ckpt["history"])
+        _check_resumed_step(ckpt_path, start, config, history)
         torch.set_rng_state(ckpt["torch_rng"])
         if ckpt["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
         generator.set_state(ckpt["sampler_rng"])
 
+    saved = [start if config.resume else None]  # the step of the last checkpoint on disk
+
     def checkpoint(step: int) -> None:
-        if out is None or rank != 0:
+        if out is None:
             return
+        # never replace a good checkpoint by a diverged one (the same parameters, so the same verdict, everywhere)
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            raise TrainingDiverged(_diverged_message(step, "a parameter", math.nan, config, out, saved[0]))
+        if rank != 0:
+            return
+        saved[0] = step
         save_checkpoint(ckpt_path, model, optimizer=optimizer, scheduler=scheduler, step=step, train_config=config,
                         history=history, generator=generator, extra=extra)
         atomic_write_bytes(out / HISTORY_NAME, json.dumps(history.as_dict()).encode())
@@ -597,14 +617,18 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
             else:
                 loss = _split_step(forward, inputs, y, device, optimizer, rank, world, accumulate, stop)
             clip = config.grad_clip if config.grad_clip is not None else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+            loss_value = loss.item()
+            for what, value in (("the training loss", loss_value), ("the gradient norm", grad_norm)):
+                if not math.isfinite(value):  # stop before the update: the parameters are still those of step
+                    raise TrainingDiverged(_diverged_message(step + 1, what, value, config, out, saved[0]))
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
             history.step.append(step + 1)
-            history.train_loss.append(loss.item())
+            history.train_loss.append(loss_value)
             history.lr.append(lr)
-            history.grad_norm.append(grad_norm.item())
+            history.grad_norm.append(grad_norm)
             bar.update(1)
             done = step + 1
             out_of_time = config.time_budget is not None and seconds + time.perf_counter() - tick >= config.time_budget
@@ -615,6 +639,8 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
                 val = evaluate(model, val_data, batch_size=config.batch_size, context_length=n_c,
                                max_batches=config.eval_batches, batches=batches)
                 model.train()
+                if not math.isfinite(val):
+                    raise TrainingDiverged(_diverged_message(done, "the validation loss", val, config, out, saved[0]))
                 history.eval_step.append(done)
                 history.val_loss.append(val)
                 history.tokens.append(done * tokens_per_step)
@@ -629,7 +655,9 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
                 bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
             if out_of_time:
                 break
-            if stop.requested:
+            # several processes stop at the step they agreed on (a Ctrl-C arriving after the all-reduce counts
+            # at the next step: acted on at once, it would stop one process a step before the others)
+            if stop.agreed if world > 1 else stop.requested:
                 if history.eval_step[-1:] != [done]:
                     checkpoint(done)
                 where = f"; checkpoint saved in {out}" if out else ""
@@ -641,6 +669,55 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
         dist.barrier()  # when train returns on any process, process 0's last checkpoint is on disk
     model.eval()
     return history
+
+
+class TrainingDiverged(ValueError):
+    """Training stopped because a loss or gradient norm was not finite (nan or inf): the run diverged.
+
+    Raised before the update that would have spread the nan into the parameters; the checkpoint in ``out_dir``
+    (if any) is the last one written with finite values. A ``ValueError``, so the command line reports it as an
+    error with the message, which says what to change.
+    """
+
+
+def _diverged_message(step: int, what: str, value: float, config: TrainConfig, out: Path | None,
+                      saved: int | None) -> str:
+    kept = (f"the last good checkpoint (step {saved}) in {out} is kept" if out and saved is not None
+            else "no checkpoint was written" if out else "nothing was saved (no out_dir)")
+    clip = ("clip the gradients (--grad-clip 1, TrainConfig.grad_clip=1.0; now off)" if config.grad_clip is None
+            else f"clip the gradients harder (--grad-clip, now {config.grad_clip:g})")
+    return (f"training diverged at step {step}: {what} is {value} (not finite); {kept}. Start a new run (another "
+            f"--out / out_dir) with a lower learning rate (--lr, TrainConfig.learning_rate; now "
+            f"{config.learning_rate:g}) or {clip}")
+
+
+def _check_resumed_step(path: Path, step: int, config: TrainConfig, history: History) -> None:
+    """A clear error unless a checkpoint's step fits the run it resumes: 0 <= step <= max_steps, its history as long."""
+    if not 0 <= step <= config.max_steps:
+        raise ValueError(f"{path} says it was saved at step {step}, outside this run's 0 .. max_steps = "
+                         f"{config.max_steps}: a damaged or edited checkpoint; start a new run")
+    if len(history.step) != step or history.step[-1:] not in ([], [step]):
+        raise ValueError(f"{path} says it was saved at step {step} but its history holds {len(history.step)} steps: "
+                         "a damaged or edited checkpoint; start a new run")
+
+
+STALE_TEMPORARY = re.compile(rf"^\.({re.escape(CHECKPOINT_NAME)}|{re.escape(HISTORY_NAME)})\.[A-Za-z0-9_]+\.tmp$")
+"""The temporary files :func:`groundup.utils.atomic_write_bytes` writes before renaming a checkpoint or history
+(``.checkpoint.pt.<random>.tmp``): left behind only when a process was killed (SIGKILL) in the middle of a write."""
+
+
+def remove_stale_temporary_files(folder) -> list[Path]:
+    """Delete the half-written checkpoint and history temporaries a killed run left in ``folder``; return them.
+
+    Each can be as large as a checkpoint. :func:`train` calls this when it starts or resumes a run in its
+    ``out_dir`` (only one run writes a folder at a time, so no write is in progress).
+    """
+    removed = []
+    for path in Path(folder).iterdir():
+        if STALE_TEMPORARY.match(path.name) and path.is_file() and not path.is_symlink():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def _split_check(config: TrainConfig, accumulate: int, distributed: bool) -> tuple[int, int]:
@@ -674,36 +751,64 @@ def _wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
 
 
+IGNORE_INDEX = -100
+"""The target value every model of the book leaves out of its loss (PyTorch's ``cross_entropy`` default)."""
+
+
+def counted_targets(model: nn.Module, targets: torch.Tensor) -> int:
+    """How many of ``targets`` the model's loss averages over: all but the ignored ones.
+
+    Every model of the book returns the *mean* cross-entropy over the targets that count: a GPT over those that
+    are not -100 (all of them for next-token windows; the masked positions of a masked LM), an
+    :class:`~groundup.models.EncoderDecoder` over those that are neither -100 nor its ``pad_id``. The mean times
+    this count is the sum of the per-token losses, which is what adds up exactly across micro-batches.
+    """
+    ignored = targets == IGNORE_INDEX
+    if isinstance(model, EncoderDecoder):
+        ignored |= targets == model.config.pad_id
+    return int(targets.numel() - ignored.sum())
+
+
 def _split_step(forward: nn.Module, inputs: tuple, y: torch.Tensor, device, optimizer, rank: int, world: int,
                 accumulate: int, stop) -> torch.Tensor:
     """Forward and backward of this process's rows of the whole batch, in ``accumulate`` micro-batches.
 
-    Leaves the gradient of the whole batch's mean loss in every parameter (DDP averages over processes, the
-    division by ``accumulate`` averages over micro-batches) and returns that batch's mean loss, the same number on
-    every process. A stop request (Ctrl-C) on any process is shared with the others, so all stop at the same step.
+    Leaves the gradient of the whole batch's mean loss in every parameter and returns that mean, the same number
+    on every process. The whole batch's mean is ``(sum over micro-batches m of n_m L_m) / N``, where ``L_m`` is
+    micro-batch m's mean loss over its ``n_m`` counted targets (:func:`counted_targets`) and ``N`` the count of
+    the whole batch; so each micro-batch backpropagates ``L_m n_m / N``, times the number of processes because
+    DDP divides the summed gradients by it. Averaging the ``L_m`` instead would weigh a micro-batch of short,
+    padded targets as much as one of long targets (equal only when every micro-batch counts as many targets, as
+    next-token windows do). Every process holds the whole batch, so ``N`` needs no communication; the summed
+    losses are all-reduced. A stop request (Ctrl-C) on any process is shared with the others, so all stop at the
+    same step.
     """
+    model = getattr(forward, "module", forward)  # DDP wraps the model
     rows = y.shape[0] // world
     micro = rows // accumulate
+    whole = counted_targets(model, y)
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), dtype=torch.float64)
     for i in range(accumulate):
         lo = rank * rows + i * micro
         part = [t[lo:lo + micro].to(device) for t in (*inputs, y)]
+        counted = counted_targets(model, y[lo:lo + micro])
         # only the last micro-batch's backward all-reduces: DDP's no_sync keeps the others local
         sync = world == 1 or i == accumulate - 1
         with contextlib.nullcontext() if sync else forward.no_sync():
             _, loss = forward(*part[:-1], part[-1])
-            (loss / accumulate).backward()
-        total += loss.detach().double().cpu() / accumulate
+            (loss * (counted * world / whole)).backward()
+        total += loss.detach().double().cpu() * counted
     if world > 1:
         import torch.distributed as dist
 
         shared = torch.stack([total, torch.tensor(float(stop.requested), dtype=torch.float64)]).to(device)
-        dist.all_reduce(shared)  # the loss summed over processes, and how many were asked to stop (NCCL: on GPU)
+        dist.all_reduce(shared)  # the summed losses of all processes, and how many were asked to stop (NCCL: on GPU)
         shared = shared.cpu()
-        total = shared[0] / world
-        stop.requested = bool(shared[1] > 0)
-    return total.to(torch.float32)
+        total = shared[0]
+        stop.agreed = bool(shared[1] > 0)
+        stop.requested = stop.requested or stop.agreed  # (a Ctrl-C since the all-reduce is not lost)
+    return (total / whole).to(torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------------
