@@ -403,3 +403,46 @@ def test_bench_kv_cache_memory_formula_and_timing_helpers():
     model = small_gpt(context_length=8)
     rows = bench.speedup_by_length(model, [3, 7], repeat=1)
     assert [n for n, _, _ in rows] == [3, 7] and all(t > 0 for _, a, b in rows for t in (a, b))
+
+
+def test_bench_alternates_sides_and_reports_median_ratio_with_quartiles():
+    from groundup.bench import alternate, ratio_note, ratio_quartiles
+
+    calls = []
+    times = alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeat=4, warmup=1)
+    assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b", "b", "a"]  # warm-up, then the order turns over
+    assert [len(v) for v in times.values()] == [4, 4] and all(t >= 0 for v in times.values() for t in v)
+    # per-round ratios 1, 2, 3, 4, 5: median 3, quartiles 2 and 4 (not the ratio of the medians, 3/1)
+    a, b = [1.0, 4.0, 9.0, 16.0, 25.0], [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert ratio_quartiles(a, b) == (3.0, 2.0, 4.0)
+    assert ratio_note(a, b, "theirs", "target <= 1") == \
+        "3.00x theirs (quartiles 2.00-4.00, 5 alternating rounds); target <= 1"
+
+
+def test_bench_prints_the_load_and_warns_above_the_core_count(monkeypatch):
+    from groundup.bench import __main__ as bench_main
+
+    monkeypatch.setattr(bench_main, "cores", lambda: 2)
+    monkeypatch.setattr(bench_main.os, "getloadavg", lambda: (0.5, 0.4, 0.3))
+    assert bench_main.load_line("start") == "load average at start: 0.50 0.40 0.30 (2 cores)"
+    monkeypatch.setattr(bench_main.os, "getloadavg", lambda: (7.25, 5.0, 3.0))
+    line = bench_main.load_line("end")
+    assert line.startswith("load average at end: 7.25 5.00 3.00 (2 cores)\nWARNING: the load exceeds the 2 cores")
+    assert "quiet machine" in bench_main.QUIET_NOTE
+
+
+def test_bench_versus_transformers_builds_the_same_gpt2_on_both_sides():
+    pytest.importorskip("transformers")
+    from groundup.bench import versus_transformers as bench
+
+    ours, theirs = bench.gpt2_pair(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=64)
+    prompt = torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(prompt)[0] if isinstance(ours(prompt), tuple) else ours(prompt),
+                                   theirs(prompt).logits, rtol=1e-4, atol=1e-5)
+    times, outputs = bench.prefill_and_decode(bench.our_greedy(ours), bench.hf_greedy(theirs), prompt, 5, rounds=2)
+    assert torch.equal(outputs["ours"], outputs["theirs"]) and outputs["ours"].shape == (1, 11)
+    assert sorted(times) == ["all_ours", "all_theirs", "decode_ours", "decode_theirs", "prefill_ours",
+                             "prefill_theirs"] and all(len(v) == 2 for v in times.values())
+    rows = bench.comparison_rows("stand-in", times, 6, 5, "target <= 0.75x")
+    assert [r.unit for r in rows] == ["s", "s", "x", "ms", "x", "ms", "x"]

@@ -745,3 +745,14 @@ def test_encode_ordinary_treats_special_strings_as_text():
     assert tok.decode(tok.encode_ordinary("a" + EOT)) == "a" + EOT
     with pytest.raises(TypeError):
         tok.encode_ordinary(b"bytes")
+
+
+def test_gpt2_bench_fits_the_exponent_and_builds_tiktoken_from_our_ranks(gpt2):
+    from groundup.bench import gpt2_tokenizer as bench
+
+    lengths = bench.WORD_LENGTHS
+    assert bench.fitted_exponent(lengths, [3e-6 * n**1.5 for n in lengths]) == pytest.approx(1.5, abs=1e-12)
+    assert bench.fitted_exponent(lengths, [2e-7 * n for n in lengths]) == pytest.approx(1.0, abs=1e-12)
+    word = bench.random_word(500)
+    assert len(word) == 500 and word.isalpha() and word.islower() and regex.findall(GPT2_SPLIT_PATTERN, word) == [word]
+    assert bench.tiktoken_gpt2().encode_ordinary(MIXED + word) == gpt2.encode_ordinary(MIXED + word)

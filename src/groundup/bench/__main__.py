@@ -4,14 +4,39 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from groundup.bench import format_rows
 
-# Each name is a submodule of groundup.bench with a run() -> list[Row].
-SECTIONS = ["matmul", "training", "attention", "tokenizers", "generation"]
+# Each name is a submodule of groundup.bench with a run() -> list[Row], run in this order. A new section is one
+# more module and one more name here.
+SECTIONS = ["matmul", "training", "attention", "tokenizers", "gpt2_tokenizer", "generation", "versus_transformers"]
 # Minutes-long runs, only when named (python -m groundup.bench quality, make bench-quality).
 OPTIONAL = ["quality"]
+QUIET_NOTE = ("[quality] measures time budgets (validation loss within 10 minutes of training), not ratios: its "
+              "numbers need a quiet machine. Run it when nothing else is running.")
+
+
+def cores() -> int:
+    """The CPU cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def load_line(when: str) -> str:
+    """The load average (1, 5, 15 minutes) and, above the core count, a warning that times are inflated."""
+    try:
+        load = os.getloadavg()
+    except OSError:  # not available on this platform
+        return f"load average at {when}: unavailable"
+    line = f"load average at {when}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({cores()} cores)"
+    if load[0] > cores():
+        line += (f"\nWARNING: the load exceeds the {cores()} cores: other processes compete, so absolute times are "
+                 f"inflated. Ratios come from alternating rounds and hold better; their quartiles show the noise.")
+    return line
 
 
 def main(argv=None) -> int:
@@ -22,6 +47,9 @@ def main(argv=None) -> int:
     unknown = [s for s in args.sections if s not in SECTIONS + OPTIONAL]
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS + OPTIONAL)}")
+    print(load_line("start"), end="\n\n", flush=True)
+    if "quality" in args.sections:
+        print(QUIET_NOTE, end="\n\n", flush=True)
     status = 0
     for name in args.sections or SECTIONS:
         module = importlib.import_module(f"groundup.bench.{name}")
@@ -35,6 +63,7 @@ def main(argv=None) -> int:
             status = 1 if args.sections else status
             continue
         print(format_rows(f"[{name}]", rows), end="\n\n", flush=True)
+    print(load_line("end"), flush=True)
     return status
 
 

@@ -10,11 +10,10 @@ of at least 3x. The same comparison at 32, 64 and 128 new tokens shows how the g
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
-from groundup.bench import Row
+from groundup.bench import Row, alternate, ratio_row
 from groundup.generation import generate
 from groundup.models import GPT, GPTConfig
 
@@ -28,33 +27,31 @@ def kv_cache_bytes(config: GPTConfig, n_tokens: int, *, batch: int = 1, bytes_pe
     return 2 * config.n_layers * config.n_heads * config.d_head * bytes_per_number * n_tokens * batch
 
 
+def generation_times(model: GPT, n_new: int, *, repeat: int = 3, warmup: int = 1) -> dict[bool, list[float]]:
+    """Seconds per round to generate ``n_new`` tokens greedily from a 1-token prompt, with (True) and without
+    (False) the cache, timed alternately round by round. Checks on the way that both produce the same tokens."""
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    results = {}
+
+    def run(use_cache):
+        results[use_cache] = generate(model, prompt, n_new, greedy=True, use_cache=use_cache)
+        if prompt.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    times = alternate({True: lambda: run(True), False: lambda: run(False)}, repeat=max(repeat, 1), warmup=warmup)
+    if not torch.equal(results[True], results[False]):
+        raise AssertionError("cached and uncached greedy generation produced different tokens")
+    return times
+
+
 def time_generation(model: GPT, n_new: int, *, repeat: int = 3, warmup: int = 1) -> tuple[float, float]:
     """Median seconds to generate ``n_new`` tokens greedily from a 1-token prompt, with and without the cache.
 
     The two variants are timed alternately, so both see the same machine load. Checks on the way that both
     produce the same tokens.
     """
-    prompt = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
-    results = {}
-
-    def run(use_cache):
-        out = generate(model, prompt, n_new, greedy=True, use_cache=use_cache)
-        results[use_cache] = out
-        if prompt.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    for _ in range(warmup):
-        run(True)
-        run(False)
-    cached, uncached = [], []
-    for _ in range(max(repeat, 1)):
-        for use_cache, times in ((True, cached), (False, uncached)):
-            start = time.perf_counter()
-            run(use_cache)
-            times.append(time.perf_counter() - start)
-    if not torch.equal(results[True], results[False]):
-        raise AssertionError("cached and uncached greedy generation produced different tokens")
-    return statistics.median(cached), statistics.median(uncached)
+    times = generation_times(model, n_new, repeat=repeat, warmup=warmup)
+    return statistics.median(times[True]), statistics.median(times[False])
 
 
 def speedup_by_length(model: GPT, lengths, *, repeat: int = 3, warmup: int = 1) -> list[tuple[int, float, float]]:
@@ -69,11 +66,12 @@ def run() -> list[Row]:
     shape = (f"{config.n_layers} layers, d_model {config.d_model}, {config.n_heads} heads, context "
              f"{config.context_length}")
     rows = []
-    t_cached, t_uncached = time_generation(model, NEW_TOKENS, repeat=3)
+    times = generation_times(model, NEW_TOKENS, repeat=3)
+    t_cached, t_uncached = statistics.median(times[True]), statistics.median(times[False])
     rows.append(Row(f"generate {NEW_TOKENS} tokens, greedy, KV cache ({shape})", t_cached, "s",
                     f"{NEW_TOKENS / t_cached:.0f} tokens/s"))
     rows.append(Row("  same, without the cache", t_uncached, "s", f"{NEW_TOKENS / t_uncached:.0f} tokens/s"))
-    rows.append(Row("  speed-up of the KV cache", t_uncached / t_cached, "x", "target >= 3x"))
+    rows.append(ratio_row("  speed-up of the KV cache", times[False], times[True], "the cached time", "target >= 3x"))
     memory = kv_cache_bytes(config, 1 + NEW_TOKENS)
     rows.append(Row(f"  KV cache memory, float32, {1 + NEW_TOKENS} tokens", memory / 2**20, "MiB",
                     f"2 n_L n_H d_head x 4 bytes = {kv_cache_bytes(config, 1) / 1024:.0f} KiB per token"))

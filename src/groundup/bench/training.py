@@ -6,7 +6,8 @@ rotary positions), one training step is what :func:`groundup.training.train` doe
 gradient clipping, fused AdamW (at the recipe's shape also Muon + AdamW, the recipe's optimizer). The
 reference at nanoGPT's shape is the same model built from
 ``nn.TransformerEncoderLayer(norm_first=True)`` with a causal mask, a final ``nn.LayerNorm`` and a tied
-``nn.Linear`` head, trained the same way. The two are timed alternately; the figure is the median step.
+``nn.Linear`` head, trained the same way. The two are timed alternately, step by step; the figure is the median step and
+the ratio the median of the per-round ratios, with its quartiles.
 
 Throughput is given in tokens per second and as a fraction of the machine's float32 matmul peak (measured in
 the same run), counting ``6 N`` FLOPs per token for the ``N`` parameters of the matrix products (the weights
@@ -17,12 +18,11 @@ touched once forward and twice backward) plus ``12 n_L n_C d_M`` for the attenti
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 from torch import nn
 
-from groundup.bench import Row
+from groundup.bench import Row, alternate, ratio_row
 from groundup.bench.matmul import matmul_peak_gflops
 from groundup.models import GPT, GPTConfig
 from groundup.runs import RECIPE_MODEL, RECIPE_TRAINING
@@ -87,41 +87,31 @@ def train_step_fn(model: nn.Module, optimizer: torch.optim.Optimizer, batch: int
     return step
 
 
-def median_steps(fns: dict, *, repeat: int = 30, warmup: int = 5) -> dict[str, float]:
-    """Median seconds per call of each function, called in turn so all see the same machine load."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def run() -> list[Row]:
     peak = matmul_peak_gflops()
     rows = []
     torch.manual_seed(0)
     small = GPTConfig(**NANOGPT_CPU)
     ours, ref = GPT(small), TorchModulesGPT(small)
-    t = median_steps({"ours": _step_fn(ours, NANOGPT_BATCH, small.context_length, small.vocab_size),
-                      "ref": _step_fn(ref, NANOGPT_BATCH, small.context_length, small.vocab_size)})
+    times = alternate({"ours": _step_fn(ours, NANOGPT_BATCH, small.context_length, small.vocab_size),
+                       "ref": _step_fn(ref, NANOGPT_BATCH, small.context_length, small.vocab_size)},
+                      repeat=30, warmup=5)
+    t = {name: statistics.median(v) for name, v in times.items()}
     tokens = NANOGPT_BATCH * small.context_length
     for name, label in (("ours", "GPT"), ("ref", "nn.TransformerEncoderLayer GPT")):
         rate = tokens / t[name]
         rows.append(Row(f"train step, {label}, nanoGPT CPU shape", t[name] * 1e3, "ms",
                         f"{rate:,.0f} tokens/s, {flops_per_token(small) * rate / 1e9 / peak:.0%} of the matmul peak"))
-    rows.append(Row("train step ratio", t["ours"] / t["ref"], "x", "GPT / nn.TransformerEncoderLayer (target <= 1)"))
+    rows.append(ratio_row("train step ratio", times["ours"], times["ref"], "nn.TransformerEncoderLayer GPT's time",
+                          "target <= 1"))
 
     # The recipe's optimizer (Muon + AdamW) against AdamW alone, timed alternately: Newton-Schulz costs extra matrix
     # products per step that the model FLOPs (and so the fraction of peak) do not count.
     recipe = GPTConfig(**RECIPE)
     models = {name: GPT(recipe) for name in ("adamw", "muon")}
-    t = median_steps({name: _step_fn(m, RECIPE_BATCH, recipe.context_length, recipe.vocab_size, name)
-                      for name, m in models.items()}, repeat=10, warmup=2)
+    times = alternate({name: _step_fn(m, RECIPE_BATCH, recipe.context_length, recipe.vocab_size, name)
+                       for name, m in models.items()}, repeat=10, warmup=2)
+    t = {name: statistics.median(v) for name, v in times.items()}
     n_params = sum(p.numel() for p in models["adamw"].parameters())
     chosen = RECIPE_TRAINING["optimizer"]
     for name, label in (("adamw", "AdamW"), ("muon", "Muon + AdamW")):
@@ -130,5 +120,6 @@ def run() -> list[Row]:
         rows.append(Row(f"train step, CPU recipe, {label}{mark} ({n_params / 1e6:.2f} M parameters)", t[name] * 1e3,
                         "ms", f"{rate:,.0f} tokens/s, {flops_per_token(recipe) * rate / 1e9 / peak:.0%} of the "
                         f"matmul peak ({peak:.0f} GFLOP/s, {torch.get_num_threads()} threads)"))
-    rows.append(Row("train step ratio, CPU recipe", t["muon"] / t["adamw"], "x", "Muon + AdamW / AdamW"))
+    rows.append(ratio_row("train step ratio, CPU recipe", times["muon"], times["adamw"], "AdamW's time (Muon + AdamW / "
+                          "AdamW)"))
     return rows
