@@ -6,7 +6,14 @@ import signal
 import pytest
 import torch
 
+from groundup.exercises import checking
 from groundup.exercises.checking import Mismatch, Verdict, expect, expect_close, expect_tensor, run_checks
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped(monkeypatch):
+    """Compare whole verdict lines here; the wrapping to the book's width has a test of its own."""
+    monkeypatch.setattr(checking, "MESSAGE_WIDTH", 10_000)
 
 
 def test_a_passing_check_prints_a_tick_and_returns_a_true_verdict(capsys):
@@ -251,3 +258,308 @@ def test_ctrl_c_still_interrupts_a_check():
     with pytest.raises(KeyboardInterrupt):
         run_checks("Exercise 0.13", interrupted)
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+# ---- regression tests for the judge's defences (issue 21, "Hostile and careless use", item 4) ----------------
+
+import gc  # noqa: E402
+import time  # noqa: E402
+
+from groundup.exercises import sandbox  # noqa: E402
+from groundup.exercises.checking import Forbidden, expect_integer  # noqa: E402
+
+
+def _square_checks(fn):
+    """A judge that expects x ** 2 for x = [1, 2, 3]."""
+
+    def checks():
+        x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+        expected = x ** 2
+        got = call_reader(fn, x, call="square(x)", names=("x",))
+        expect_tensor(got, "square(x)")
+        expect_close(got, expected, "square(x)", "Multiply x by itself.")
+
+    return checks
+
+
+def test_a_tensor_subclass_that_claims_equality_is_refused(capsys):
+    class AlwaysEqual(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func in (torch.allclose, torch.equal, torch.Tensor.__eq__):
+                return True
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    def cheat(x):
+        return torch.zeros(3).as_subclass(AlwaysEqual)
+
+    assert not run_checks("Exercise 0.20", _square_checks(cheat))
+    out = capsys.readouterr().out
+    assert "returned a AlwaysEqual (a subclass of torch.Tensor)" in out and "plain torch.Tensor" in out, out
+    assert run_checks("Exercise 0.20", _square_checks(lambda x: x * x)), capsys.readouterr().out
+
+
+def test_patching_torch_inside_the_readers_function_is_undone(capsys):
+    original_allclose, original_eq = torch.allclose, torch.Tensor.__eq__
+
+    def cheat(x):
+        torch.allclose = lambda *args, **kwargs: True
+        torch.Tensor.__eq__ = lambda self, other: torch.ones_like(self, dtype=torch.bool)
+        checking.isinstance = lambda *args: True  # shadows the builtin in the checker's module
+        return torch.zeros(3)
+
+    assert not run_checks("Exercise 0.21", _square_checks(cheat))
+    assert "largest difference from the expected values is 9" in capsys.readouterr().out
+    assert torch.allclose is original_allclose and torch.Tensor.__eq__ is original_eq
+    assert "isinstance" not in vars(checking)
+
+
+def test_a_patch_made_later_by_the_readers_thread_voids_the_verdict(capsys):
+    original = torch.allclose
+    patched = threading.Event()
+
+    def cheat(x):
+        def later():
+            time.sleep(0.05)
+            torch.allclose = lambda *args, **kwargs: True
+            patched.set()
+
+        threading.Thread(target=later).start()
+        return torch.zeros(3)
+
+    def checks():
+        got = call_reader(cheat, torch.ones(3), call="square(x)")
+        assert patched.wait(5)
+        expect_close(got, torch.ones(3), "square(x)")  # fooled by the patch ...
+
+    assert not run_checks("Exercise 0.22", checks)  # ... but the verdict is void
+    out = capsys.readouterr().out
+    assert "your code replaced torch.allclose while the checker ran" in out, out
+    assert torch.allclose is original
+
+
+def test_the_expected_values_are_out_of_the_readers_reach(capsys):
+    def frames_everywhere():
+        frame = sys._getframe()
+        while frame is not None:
+            yield frame
+            frame = frame.f_back
+        for top in sys._current_frames().values():
+            while top is not None:
+                yield top
+                top = top.f_back
+
+    def cheat(x):
+        for frame in frames_everywhere():
+            if "expected" in frame.f_locals:
+                return frame.f_locals["expected"]
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.shape == (3,) and obj.dtype == torch.float64 and obj[2] == 9:
+                return obj
+        return torch.zeros(3)
+
+    assert not run_checks("Exercise 0.23", _square_checks(cheat))
+    assert "largest difference from the expected values is 9" in capsys.readouterr().out
+    assert sys._current_frames is sandbox._REAL["_current_frames"] and gc.get_objects is sandbox._REAL["get_objects"]
+
+
+@pytest.mark.parametrize("answer, shown", [
+    (lambda x: (x * x).to(torch.complex128) + 1j, "a complex tensor"),
+    (lambda x: (x * x).to_sparse(), "a tensor with layout torch.sparse_coo"),
+    (lambda x: torch.empty(3, device="meta"), "a tensor on the meta device"),
+])
+def test_complex_sparse_and_meta_answers_get_a_verdict_naming_them(answer, shown, capsys):
+    verdict = run_checks("Exercise 0.24", _square_checks(answer))
+    out = capsys.readouterr().out
+    assert not verdict and not verdict.checker_error and f"returned {shown}" in out, out
+    assert "not attempted" not in out and "bug in the book" not in out
+
+
+def test_complex_numbers_are_not_cut_to_their_real_part():
+    with pytest.raises(Mismatch, match="got a complex tensor"):
+        expect_close(torch.tensor([1.0 + 2j]), torch.tensor([1.0]), "f(x)")
+    with pytest.raises(Mismatch, match="expected a number"):
+        expect_number(1 + 2j, "f()")
+
+
+def test_a_torch_error_inside_the_readers_code_is_not_the_stub(capsys):
+    def sparse_unsupported(x):
+        return (x * x).to_sparse().cumsum(0)  # NotImplementedError raised by torch, not by the stub
+
+    verdict = run_checks("Exercise 0.25", _square_checks(sparse_unsupported))
+    out = capsys.readouterr().out
+    assert not verdict and "your function raised NotImplementedError" in out and "not attempted" not in out, out
+
+    def stub(x):
+        raise NotImplementedError
+
+    assert not run_checks("Exercise 0.25", _square_checks(stub))
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+_RELEASE = threading.Event()  # ends the loops below once a test is over (a worker that was left behind)
+
+
+def _catches_everything(x):
+    while not _RELEASE.is_set():
+        try:
+            time.sleep(0.01)
+        except BaseException:  # noqa: BLE001,S110 -- the attack: the reader's catch-all around a sleep
+            pass
+
+
+def _catches_everything_twice(x):
+    while not _RELEASE.is_set():
+        try:
+            try:
+                sum(range(1000))
+            except BaseException:  # noqa: BLE001
+                continue
+        except BaseException:  # noqa: BLE001
+            continue
+
+
+def _stubborn(x):
+    """Catches the exception that should stop it, every time, and keeps going."""
+    while not _RELEASE.is_set():
+        try:
+            while not _RELEASE.is_set():
+                try:
+                    time.sleep(0.001)
+                except BaseException:  # noqa: BLE001,S110
+                    pass
+        except BaseException:  # noqa: BLE001,S110
+            pass
+
+
+@pytest.mark.parametrize("loop", [_catches_everything, _catches_everything_twice, _stubborn])
+def test_a_loop_that_catches_base_exception_still_gets_its_verdict_on_time(loop, capsys):
+    _RELEASE.clear()
+    start = time.perf_counter()
+    try:
+        verdict = run_checks("Exercise 0.26", _square_checks(loop), timeout=0.3)
+        out = capsys.readouterr().out
+        assert not verdict and "did not finish within 0.3 s" in out, out
+        assert time.perf_counter() - start < 5
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        if "still running in the background" in out:
+            assert "Restart the kernel" in out
+        assert run_checks("Exercise 0.26", _square_checks(lambda x: x * x)), "the next check runs normally"
+    finally:
+        _RELEASE.set()
+
+
+def test_off_the_main_thread_a_catch_all_loop_is_bounded_too(capsys):
+    results = []
+    _RELEASE.clear()
+    thread = threading.Thread(target=lambda: results.append(run_checks(
+        "Exercise 0.27", _square_checks(_catches_everything_twice), timeout=0.3)))
+    thread.start()
+    thread.join(10)
+    _RELEASE.set()
+    assert not thread.is_alive() and results and not results[0]
+    assert "did not finish within 0.3 s" in capsys.readouterr().out
+
+
+def test_generator_exit_and_other_base_exceptions_become_verdicts(capsys):
+    def raises_generator_exit(x):
+        raise GeneratorExit
+
+    assert not run_checks("Exercise 0.28", _square_checks(raises_generator_exit))
+    assert capsys.readouterr().out == "❌ Exercise 0.28: your function raised GeneratorExit\n"
+
+    def direct():
+        raise GeneratorExit
+
+    verdict = run_checks("Exercise 0.28", direct)  # the reader's code (this file) raised it: the reader's error
+    assert not verdict and "your function raised GeneratorExit" in capsys.readouterr().out
+
+
+def _package_square(x):
+    """Stands for the package's own solution in the tripwire tests."""
+    return x * x
+
+
+def test_a_call_of_the_forbidden_package_function_is_refused_however_it_is_reached(capsys):
+    alias = _package_square
+
+    def checks(fn):
+        def run():
+            x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+            expected = _package_square(x)  # the judge itself may use it, before calling the reader
+            got = call_reader(fn, x, call="square(x)", forbid=(_package_square,))
+            expect_close(got, expected, "square(x)")
+
+        return run
+
+    def hidden_call(x):
+        try:
+            return alias(x)
+        except BaseException:  # noqa: BLE001 -- swallowing the tripwire does not help
+            return x * x
+
+    for cheat in (alias, lambda x: alias(x), hidden_call):
+        assert not run_checks("Exercise 0.29", checks(cheat))
+        out = capsys.readouterr().out
+        assert "square(x) calls test_checking._package_square" in out and "compute it yourself" in out, out
+    assert run_checks("Exercise 0.29", checks(lambda x: x * x))
+    assert _package_square(torch.tensor(3.0)) == 9, "the function works again after the check"
+
+
+def test_a_conditional_tripwire_refuses_only_the_calls_it_names(capsys):
+    import torch.nn.functional as F
+
+    forbid = (Forbidden(torch._C._nn, "cross_entropy_loss", when=lambda args, kwargs: bool((args[1] < 0).any()),
+                        label="F.cross_entropy with ignore_index", hint="Select the positions yourself."),)
+    logits, targets = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, -100, 2, -100])
+    selected = targets >= 0
+
+    def checks(fn):
+        return lambda: call_reader(fn, logits, targets, forbid=forbid)
+
+    assert not run_checks("Exercise 0.30", checks(lambda lg, t: F.cross_entropy(lg, t)))
+    assert "calls F.cross_entropy with ignore_index" in capsys.readouterr().out
+    assert run_checks("Exercise 0.30", checks(lambda lg, t: F.cross_entropy(lg[t >= 0], t[t >= 0])))
+    assert torch._C._nn.cross_entropy_loss.__name__ == "cross_entropy_loss" and selected.sum() == 2
+
+
+def test_a_torch_function_mode_left_pushed_by_the_reader_is_popped():
+    from torch.overrides import TorchFunctionMode
+
+    class Liar(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return True if func is torch.allclose else func(*args, **(kwargs or {}))
+
+    def cheat(x):
+        Liar().__enter__()
+        return torch.zeros(3)
+
+    depth = torch._C._len_torch_function_stack()
+    assert not run_checks("Exercise 0.31", _square_checks(cheat))
+    assert torch._C._len_torch_function_stack() == depth
+
+
+def test_expect_integer_refuses_floats_and_accepts_integer_kinds():
+    assert expect_integer(7, "f()") == 7 and expect_integer(np.int64(7), "f()") == 7
+    assert expect_integer(torch.tensor(7), "f()") == 7
+    for value in (7.0, torch.tensor(7.0), np.float64(7)):
+        with pytest.raises(Mismatch, match="expected an int") as err:
+            expect_integer(value, "f()")
+        assert "//" in err.value.hint
+    with pytest.raises(Mismatch, match="expected an int"):
+        expect_integer("7", "f()")
+
+
+def test_verdicts_are_wrapped_to_the_books_width(monkeypatch, capsys):
+    monkeypatch.setattr(checking, "MESSAGE_WIDTH", 80)
+
+    def checks():
+        expect(False, "a rather long description of what the reader's function returned " * 2,
+               "a hint that is also much longer than one line of the book, so that it has to be wrapped " * 2)
+
+    run_checks("Exercise 0.32", checks)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) >= 5 and all(len(line) <= 80 for line in lines), lines
+    assert lines[0].startswith("❌ Exercise 0.32: a rather long") and lines[1].startswith("   ") and lines[1][3] != " "
+    hint = next(i for i, line in enumerate(lines) if line.startswith("   Hint: "))
+    assert all(line.startswith("         ") for line in lines[hint + 1:])

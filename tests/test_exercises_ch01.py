@@ -1,8 +1,10 @@
 import math
 
+import pytest
 import torch
 
 from groundup.exercises import ch01
+from groundup.exercises import checking as _checking
 
 
 def perplexity_solution(probs):
@@ -89,3 +91,9 @@ def test_cross_entropy_that_shifts_the_logits_in_place_is_reported(capsys):
 
     assert not ch01.check_cross_entropy(shifts_in_place)
     assert "changed its input logits in place" in capsys.readouterr().out
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)

@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 
+from groundup.exercises import checking as _checking
 from groundup.exercises.ch02 import (
     check_bytes_per_token,
     check_encode_with_merges,
@@ -136,3 +137,9 @@ def test_checker_handles_stub(checker, capsys):
 def test_checker_reports_crash(capsys):
     assert check_merge(lambda ids, pair, new_id: ids[99]).passed is False
     assert "raised IndexError" in capsys.readouterr().out
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)

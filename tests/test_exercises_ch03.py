@@ -4,6 +4,7 @@ answer with a helpful message, and treats the unattempted stub kindly."""
 import pytest
 import torch
 
+from groundup.exercises import checking as _checking
 from groundup.exercises.ch03 import check_one_hot, check_rms_init, check_softmax, check_tying_savings
 
 # --- reference solutions (the same code as the notebook's hidden solution cells) ---------------------------
@@ -128,3 +129,9 @@ def test_a_correct_in_place_softmax_is_told_about_the_change_not_a_wrong_value(c
 
 def test_a_float32_softmax_of_float64_logits_passes(capsys):
     assert check_softmax(lambda z: torch.softmax(z.float(), dim=-1)), capsys.readouterr().out
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from groundup.exercises import checking as _checking
 from groundup.exercises.ch04 import (
     check_alibi_half_life,
     check_apply_rotary,
@@ -176,3 +177,9 @@ def test_wrong_answers_fail_with_a_hint(checker, wrong, hint, capsys):
 def test_crash_becomes_a_verdict(capsys):
     assert check_apply_rotary(lambda x, p: x @ torch.zeros(3, 3)).passed is False
     assert "raised RuntimeError" in capsys.readouterr().out
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from groundup.exercises import checking as _checking
 from groundup.exercises.ch05 import check_attention, check_mha_parameters, check_padding_mask, check_split_heads
 
 # --- reference solutions (the same code as the notebook's hidden solution cells) ---------------------------
@@ -163,3 +164,9 @@ def test_float32_attention_of_float64_inputs_passes(capsys):
 def test_attention_returning_one_tensor_names_the_pair(capsys):
     assert not check_attention(lambda q, k, v, mask=None: attention(q, k, v, mask)[0])
     assert "expected a pair (out, weights)" in capsys.readouterr().out
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)

@@ -4,6 +4,7 @@ answers with a helpful message, and treats the unattempted stub kindly."""
 import pytest
 import torch
 
+from groundup.exercises import checking as _checking
 from groundup.exercises.ch06 import (
     check_layer_norm,
     check_parameter_count,
@@ -208,3 +209,9 @@ def test_swiglu_solution_equals_the_llama_mlp_of_transformers():
     got = swiglu(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
     torch.testing.assert_close(got, expected)
     assert expected.abs().max() > 0.01
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)

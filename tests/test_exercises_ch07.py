@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from groundup.exercises import checking as _checking
 from groundup.exercises.ch07 import check_adamw_step, check_clip_gradients, check_lr_schedule
 
 # --- reference solutions (the notebook's hidden solutions) ----------------------------------------------------
@@ -130,3 +131,9 @@ def test_adamw_in_place_is_reported(capsys):
 def test_adamw_wrong_return_type(capsys):
     ok, out = verdict(check_adamw_step, lambda *a: None, capsys)
     assert not ok and "returned a NoneType" in out and "triple" in out
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)

@@ -4,6 +4,7 @@ answers with the right hint, treats the unattempted stub kindly and reports a fu
 import pytest
 import torch
 
+from groundup.exercises import checking as _checking
 from groundup.exercises.ch08 import (
     check_kv_cache_memory,
     check_temperature_softmax,
@@ -212,11 +213,40 @@ def test_the_stub_gets_a_friendly_reminder(checker, capsys):
     assert "not attempted yet" in out and "Traceback" not in out
 
 
-def test_the_package_functions_pass_too(capsys):
+def test_the_package_functions_are_refused_however_they_are_called(capsys):
     from groundup import generation
+    from groundup.generation import top_p_filter as imported_before
 
-    assert check_top_k_filter(generation.top_k_filter)
-    assert check_top_p_filter(generation.top_p_filter)
+    for checker, package in ((check_top_k_filter, generation.top_k_filter),
+                             (check_top_p_filter, generation.top_p_filter),
+                             (check_top_p_filter, lambda logits, p: imported_before(logits, p))):
+        assert not checker(package)
+        out = capsys.readouterr().out
+        assert "calls groundup.generation.top_" in out and "compute it yourself" in out, out
+    x = torch.tensor([[1.0, 2.0, 3.0]])
+    assert torch.isfinite(generation.top_p_filter(x, 0.5)).sum() == 1, "the package works again afterwards"
+
+
+def hugging_face_top_p(logits, p, tolerance=1e-6):
+    """Ascending order, as in Hugging Face's TopPLogitsWarper, with the exercise's tolerance."""
+    sorted_logits, order = torch.sort(logits, descending=False)
+    remove = sorted_logits.softmax(-1).cumsum(-1) <= 1 - p + tolerance
+    remove[..., -1:] = False
+    return logits.masked_fill(remove.scatter(-1, order, remove), INF)
+
+
+def test_a_hugging_face_style_top_p_passes_with_the_tolerance_and_is_told_how_without(capsys):
+    assert check_top_p_filter(hugging_face_top_p), capsys.readouterr().out
+    capsys.readouterr()
+    assert not check_top_p_filter(lambda logits, p: hugging_face_top_p(logits, p, tolerance=0.0))
+    out = capsys.readouterr().out
+    assert "You also kept cake" in out and "<= 1 - p + 1e-6" in out, out
+
+
+def test_kv_cache_memory_as_a_float_is_refused(capsys):
+    assert not check_kv_cache_memory(lambda *args: float(kv_cache_memory(*args)))
+    out = capsys.readouterr().out
+    assert "expected an int" in out and "//" in out, out
 
 
 @pytest.mark.parametrize("checker, wrong, hint", [
@@ -257,7 +287,7 @@ def test_wrong_answers_are_rejected_with_the_right_hint(checker, wrong, hint, ca
 def test_a_function_that_modifies_its_input_is_reported(checker, wrong, capsys):
     assert not checker(wrong)
     out = capsys.readouterr().out
-    assert "modified its input logits in place" in out and "compute a new tensor" in out
+    assert "changed its input logits in place" in out and "compute new values" in out
 
 
 def test_a_crash_in_the_readers_function_becomes_a_verdict(capsys):
@@ -269,8 +299,9 @@ def test_a_crash_in_the_readers_function_becomes_a_verdict(capsys):
     assert "raised IndexError" in out and "Hint:" in out
 
 
-def test_the_top_p_cases_have_a_margin_so_a_solution_without_tolerance_passes():
-    """Every top-p case of the checker gives the same tokens with and without the package's 1e-6 tolerance."""
+def test_a_top_p_without_the_tolerance_is_rejected_and_the_random_cases_have_a_margin(capsys):
+    """The random cases give the same tokens with and without the 1e-6 tolerance; the seeds' example at
+    p = 0.1800005 does not, so a solution without the tolerance the exercise demands fails there."""
     from groundup.generation import top_p_filter as package_top_p
 
     g = torch.Generator().manual_seed(83)
@@ -281,6 +312,16 @@ def test_the_top_p_cases_have_a_margin_so_a_solution_without_tolerance_passes():
         before = (probs.cumsum(-1) - probs)[..., 1:]  # the most probable token is always kept
         assert ((before - p).abs() > 1e-4).all()
 
+    def without_tolerance(logits, p):
+        probs = torch.softmax(logits, dim=-1)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        remove_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= p
+        return logits.masked_fill(torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted), INF)
+
+    assert not check_top_p_filter(without_tolerance)
+    out = capsys.readouterr().out
+    assert "p=0.1800005" in out and "within 1e-6 of p = 0.1800005" in out, out
+
 
 def test_checkers_leave_the_global_random_state_alone():
     torch.manual_seed(0)
@@ -288,3 +329,9 @@ def test_checkers_leave_the_global_random_state_alone():
     torch.manual_seed(0)
     check_top_p_filter(top_p_filter)
     assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)

@@ -1,9 +1,11 @@
 """Each chapter-9 checker accepts the reference solution (the notebook's hidden one), rejects plausible wrong
 answers, treats the unattempted stub kindly and reports a function that modifies its input."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from groundup.exercises import checking as _checking
 from groundup.exercises.ch09 import check_apply_masking, check_masked_accuracy, check_masked_loss
 
 # --- reference solutions (the same code as the notebook's hidden solution cells) ---------------------------
@@ -114,3 +116,9 @@ def test_wrong_accuracies_fail_with_the_right_hint(capsys):
     for wrong, hint in [(accuracy_every_position, "counted every position"), (accuracy_percent, "not a percentage")]:
         assert not check_masked_accuracy(wrong)
         assert hint in capsys.readouterr().out, wrong.__name__
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)

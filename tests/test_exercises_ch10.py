@@ -4,6 +4,7 @@ answers with the right hint, treats the unattempted stub kindly and reports a fu
 import pytest
 import torch
 
+from groundup.exercises import checking as _checking
 from groundup.exercises.ch10 import check_decoder_inputs, check_decoder_mask
 
 # --- reference solutions (the same code as the notebook's hidden solution cells) ---------------------------
@@ -143,3 +144,9 @@ def test_a_function_that_modifies_its_input_is_reported(checker, wrong, name, ca
     assert not checker(wrong)
     out = capsys.readouterr().out
     assert f"changed its input {name} in place" in out
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)

@@ -4,6 +4,7 @@ treats the unattempted stub kindly and reports answers that modify their inputs.
 import pytest
 import torch
 
+from groundup.exercises import checking as _checking
 from groundup.exercises.ch11 import check_ring_allreduce, check_zero_memory
 
 # --- reference solutions (the notebook's hidden solutions) ----------------------------------------------------
@@ -108,3 +109,9 @@ def test_zero_that_never_divides_is_named(capsys):
 def test_zero_returning_a_string_is_refused(capsys):
     ok, out = verdict(check_zero_memory, lambda n, g, s: "16", capsys)
     assert not ok and "Return the number of bytes" in out, out
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)

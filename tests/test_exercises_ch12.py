@@ -7,6 +7,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from groundup import quantization as Q
+from groundup.exercises import checking as _checking
 from groundup.exercises.ch12 import (
     check_decode_q4_1_block,
     check_gguf_bytes,
@@ -229,3 +230,9 @@ def test_gguf_bytes_with_full_size_key_value_heads_is_named(capsys):
     ok, out = verdict(check_gguf_bytes, lambda n, d, h, kv, f, v, m, e: gguf_bytes_solution(n, d, h, h, f, v, m, e),
                       capsys)
     assert not ok and "grouped-query attention" in out, out
+
+
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)

@@ -11,7 +11,18 @@ from collections.abc import Callable
 
 import torch
 
-from groundup.exercises.checking import Mismatch, Verdict, expect, expect_close, expect_tensor, run_checks
+from groundup import generation
+from groundup.exercises.checking import (
+    Mismatch,
+    ReaderError,
+    Verdict,
+    call_reader,
+    expect,
+    expect_close,
+    expect_integer,
+    expect_tensor,
+    run_checks,
+)
 
 __all__ = ["check_temperature_softmax", "check_top_k_filter", "check_top_p_filter", "check_kv_cache_memory"]
 
@@ -19,27 +30,22 @@ INF = float("-inf")
 _TOLERANCE = {torch.float64: dict(rtol=1e-9, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
 
 
+_PACKAGE = (generation.top_k_filter, generation.top_p_filter)  # the package's own solutions
+
+
 def _call(fn: Callable, call: str, *args, input_name: str = "logits"):
-    """``fn(*args)`` with every tensor argument cloned; a :class:`Mismatch` if ``fn`` modified one in place."""
-    passed = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    got = fn(*passed)
-    for original, given in zip(args, passed):
-        if isinstance(original, torch.Tensor) and not torch.equal(original, given):
-            raise Mismatch(f"{call} modified its input {input_name} in place",
-                           f"Do not change the caller's {input_name}: compute a new tensor (e.g. `logits / "
-                           "temperature` instead of `logits /= temperature`, `logits.masked_fill(...)` instead of "
-                           "`logits[...] = ...`, or start from `logits.clone()`).")
-    return got
+    """``fn(*args)`` through :func:`call_reader` (copies of the inputs, a time bound, the package's filters
+    refused); a :class:`Mismatch` if ``fn`` modified its input in place."""
+    names = (input_name,) + tuple(f"argument {i + 2}" for i in range(len(args) - 1))
+    return call_reader(fn, *args, call=call, names=names, forbid=_PACKAGE)
 
 
 def _call_or_hint(fn: Callable, call: str, *args, hint: str):
-    """Like :func:`_call`, but a crash becomes a :class:`Mismatch` with ``hint`` (NotImplementedError passes)."""
+    """Like :func:`_call`, but a crash of the reader's function is reported with ``hint``."""
     try:
         return _call(fn, call, *args)
-    except (NotImplementedError, Mismatch):
-        raise
-    except Exception as err:  # noqa: BLE001 -- the crash itself is the answer we judge
-        raise Mismatch(f"{call} raised {type(err).__name__}: {err}", hint) from None
+    except ReaderError as err:
+        raise ReaderError(err.call, err.error, hint) from None
 
 
 def _expect_same_dtype(got: torch.Tensor, dtype: torch.dtype, call: str) -> None:
@@ -181,6 +187,15 @@ def _reference_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return top_p_filter(logits, p)
 
 
+def _hugging_face_style(x: torch.Tensor, p: float, tolerance: float) -> torch.Tensor:
+    """The mask of kept tokens of an ascending-order top-p (as in Hugging Face's ``TopPLogitsWarper``): remove the
+    least probable tokens while their total is <= 1 - p (+ ``tolerance``); the most probable token stays."""
+    sorted_logits, order = torch.sort(x, dim=-1)
+    remove = sorted_logits.softmax(-1).cumsum(-1) <= 1 - p + tolerance
+    remove[..., -1] = False
+    return ~remove.scatter(-1, order, remove)
+
+
 def _top_p_hint(kept: torch.Tensor, want: torch.Tensor, x: torch.Tensor, p: float, hint: str, *, seeds: bool,
                 shuffled: bool) -> str:
     """The hint for the typical top-p mistakes, read off which tokens the reader kept (``kept``) and should have."""
@@ -194,12 +209,19 @@ def _top_p_hint(kept: torch.Tensor, want: torch.Tensor, x: torch.Tensor, p: floa
         return ("You dropped the token whose probability makes the total cross p: keep a token when the mass of "
                 "the tokens ranked before it is < p (or shift your 'cumulative mass > p' mask right by one).")
     if bool((n_kept == n_want + 1).all()) and bool((want <= kept).all()):
+        ascending = ("" if not torch.equal(kept, _hugging_face_style(x, p, 0.0)) else
+                     " In ascending order (as in Hugging Face's TopPLogitsWarper) the same tolerance reads: remove "
+                     "the least probable tokens while their total is <= 1 - p + 1e-6.")
+        if seeds and p != 0.18:
+            return (f"You also kept cake: bananas + cherries + fruit = 0.18 is within 1e-6 of p = {p:.7g}, and the "
+                    "exercise counts that as reaching p (floating point cannot tell them apart reliably): keep a "
+                    "token only while the mass before it is < p - 1e-6." + ascending)
         if seeds:
             return ("You also kept cake: bananas + cherries + fruit = 0.18 already reaches p = 0.18. In floating "
                     "point that sum can come out as 0.17999999..., so count a total within 1e-6 of p as reaching "
-                    "it: keep a token only while the mass before it is < p - 1e-6.")
+                    "it: keep a token only while the mass before it is < p - 1e-6." + ascending)
         return ("You kept one token too many: stop as soon as the mass reaches p (keep a token only while the "
-                "mass of the tokens before it is < p - 1e-6).")
+                "mass of the tokens before it is < p - 1e-6)." + ascending)
     if shuffled and bool((n_kept == n_want).all()):
         return ("You kept three tokens, but not bananas, cherries and fruit: your mask is in sorted order; put it "
                 "back in the original order (scatter it with the sort indices).")
@@ -210,7 +232,9 @@ def _top_p_hint(kept: torch.Tensor, want: torch.Tensor, x: torch.Tensor, p: floa
 
 
 def check_top_p_filter(fn: Callable) -> Verdict:
-    """Exercise 8.3: ``fn(logits, p)`` keeps the smallest set of most probable tokens whose probability reaches p."""
+    """Exercise 8.3: ``fn(logits, p)`` keeps the smallest set of most probable tokens whose probability reaches p
+    (within 1e-6: the seeds' example with p = 0.1800005 keeps bananas, cherries and fruit). Ascending-order
+    answers in the style of Hugging Face's ``TopPLogitsWarper`` pass when they use the same tolerance."""
 
     def checks():
         probs = torch.tensor([0.1, 0.05, 0.03, 0.02] + [0.01] * 80, dtype=torch.float64)
@@ -221,12 +245,13 @@ def check_top_p_filter(fn: Callable) -> Verdict:
         rows = torch.randn(4, 12, generator=g, dtype=torch.float64) * 1.5
         cases = [(seeds, 0.18, "the seeds' example (bananas 0.1, cherries 0.05, fruit 0.03, cake 0.02, ...)"),
                  (shuffled, 0.18, "the seeds' example with the tokens shuffled"),
+                 (seeds, 0.18 + 5e-7, "the seeds' example"),  # 0.18 is within 1e-6 of p: it reaches p
                  (rows, 0.5, "random logits of shape (4, 12)"), (rows, 0.9, "random logits of shape (4, 12)"),
                  (rows, 1e-3, "random logits of shape (4, 12)"), (rows.float(), 0.7, "float32 logits (4, 12)")]
         expected = [_reference_top_p(x, p) for x, p, _ in cases]
 
         for (x, p, what), want in zip(cases, expected):
-            call = f"top_p_filter({what}, p={p})"
+            call = f"top_p_filter({what}, p={p:.7g})"
             hint = ("Sort the probabilities (softmax) in descending order, keep each token while the probability "
                     "of the tokens ranked before it is still below p, and map the mask back to the original order.")
             got = expect_tensor(_call_or_hint(fn, call, x, p, hint=hint), call,
@@ -254,10 +279,9 @@ def check_kv_cache_memory(fn: Callable) -> Verdict:
         # the benchmark's model, the chapter's model, GPT-2 small in float16, a LLaMA-like 32-layer model
         for args in [(6, 6, 64, 256, 4), (4, 4, 32, 256, 4), (12, 12, 64, 1024, 2), (32, 32, 128, 4096, 2)]:
             call = f"kv_cache_memory{args}"
-            got = _call(fn, call, *args)
             want = expected(*args)
-            expect(isinstance(got, (int, float)) and not isinstance(got, bool),
-                   f"{call} returned a {type(got).__name__}", "Return the number of bytes as an int.")
+            got = expect_integer(_call(fn, call, *args, input_name="n_layers"), call,
+                                 "Return the number of bytes as an int (a whole number: use * and //, not /).")
             hint = "Per token and per layer the cache holds a key and a value vector for each head."
             if got == want // 2:
                 hint = "You counted only the keys (or only the values): the cache stores both, a factor 2."

@@ -1,49 +1,58 @@
 """The small toolkit every chapter's checkers are written with.
 
 A checker is a function ``check_<name>(fn)`` that hands ``run_checks`` a title and a function of no
-arguments that exercises ``fn`` and raises :class:`Mismatch` (through :func:`expect`, :func:`expect_close` or
-:func:`expect_tensor`) at the first wrong answer. ``run_checks`` turns the outcome into a printed verdict and
-returns a :class:`Verdict`, true when the reader's function passed.
+arguments (the *judge*) that exercises ``fn`` and raises :class:`Mismatch` (through :func:`expect`,
+:func:`expect_close` or :func:`expect_tensor`) at the first wrong answer. ``run_checks`` turns the outcome into a
+printed verdict, wrapped to :data:`MESSAGE_WIDTH` characters, and returns a :class:`Verdict`, true when the
+reader's function passed.
 
 The book promises that the verdict is right, so a checker should:
 
 1. compute every expected value *before* it calls the reader's function;
-2. call the reader's function through :func:`call_reader`, which hands it deep copies of the arguments, reports
-   an argument the function changed in place, turns a crash of the reader's code into a :class:`ReaderError`
-   (never mistaken for a crash of the checker) and checks the type of what came back;
+2. call the reader's function through :func:`call_reader`, which hands it deep copies of the arguments, runs it
+   out of the judge's reach (see :mod:`groundup.exercises.sandbox`: its own stack, a time bound that a reader's
+   ``except BaseException`` cannot hold, patches of torch and of the book put back, tripwires on the package's
+   own solution named in ``forbid``), reports an argument the function changed in place, turns a crash of the
+   reader's code into a :class:`ReaderError` (never mistaken for a crash of the checker), accepts only plain
+   dense real tensors on the CPU (no subclass, no sparse, meta or complex tensor) and checks the type of what
+   came back;
 3. compare with :func:`expect_close`, whose tolerance widens to fit a float32 / float16 answer, and cast to one
    dtype before any comparison in hint code (``torch.allclose`` of a float32 and a float64 tensor raises).
 
-``run_checks`` then bounds the time of the whole check (:data:`DEFAULT_TIMEOUT`), restores the global state the
-reader's function may change (default dtype, grad mode, anomaly mode, thread count, the Python, NumPy and torch
-random generators), keeps ``sys.exit()`` from escaping, and tells the reader's error from a crash of the checker
-itself, which it reports as the book's fault with a request to report it.
+``run_checks`` then bounds the time the reader's code runs (:data:`DEFAULT_TIMEOUT`), restores the global state
+the reader's function may change (default dtype, grad/anomaly mode, thread count, the Python, NumPy and torch
+random generators), keeps ``sys.exit()`` and any other ``BaseException`` from escaping, and tells the reader's
+error from a crash of the checker itself, which it reports as the book's fault with a request to report it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
+import linecache
 import math
 import numbers
 import os
 import random
-import signal
-import site
+import re
 import sys
-import sysconfig
-import threading
-from collections.abc import Callable
-from pathlib import Path
+import textwrap
+from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["DEFAULT_TIMEOUT", "CheckerTimeout", "Mismatch", "ReaderError", "Verdict", "call_reader", "expect",
-           "expect_close", "expect_number", "expect_tensor", "expect_type", "run_checks", "tolerance_for"]
+from groundup.exercises import sandbox
+from groundup.exercises.sandbox import CheckerTimeout, Forbidden
+
+__all__ = ["DEFAULT_TIMEOUT", "MESSAGE_WIDTH", "CheckerTimeout", "Forbidden", "Mismatch", "ReaderError", "Verdict",
+           "call_reader", "expect", "expect_close", "expect_integer", "expect_number", "expect_tensor",
+           "expect_type", "run_checks", "tolerance_for"]
 
 DEFAULT_TIMEOUT = float(os.environ.get("GROUNDUP_CHECK_TIMEOUT", "10"))
-"""Seconds a checker may run before the reader's function is declared stuck (``$GROUNDUP_CHECK_TIMEOUT``)."""
+"""Seconds the reader's code may run in one check before it is declared stuck (``$GROUNDUP_CHECK_TIMEOUT``)."""
+
+MESSAGE_WIDTH = 80
+"""Verdicts are wrapped to this many characters, the width the book shows."""
 
 _REPORT_URL = "https://github.com/groundup-book/transformers-from-the-ground-up/issues"
 
@@ -65,13 +74,6 @@ class ReaderError(Exception):
         self.call = call
         self.error = error
         self.hint = hint
-
-
-class CheckerTimeout(BaseException):
-    """Raised inside a check that ran past its time bound.
-
-    A ``BaseException`` (like ``KeyboardInterrupt``) so that the reader's ``except Exception:`` cannot swallow it.
-    """
 
 
 def expect(condition: bool, what: str, hint: str = "") -> None:
@@ -97,22 +99,75 @@ def expect_type(value, types, call: str, expected: str | None = None, hint: str 
     return value
 
 
+def _tensor_problem(t: torch.Tensor) -> tuple[str, str] | None:
+    """Why ``t`` cannot be judged as an answer (what it is, how to fix it), or ``None`` for a plain tensor."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return (f"a {type(t).__name__} (a subclass of torch.Tensor)",
+                "Return a plain torch.Tensor: the result of torch operations or torch.tensor(...).")
+    if t.layout != torch.strided or t.is_nested:
+        return (f"a tensor with layout {t.layout}" if not t.is_nested else "a nested tensor",
+                "Return a dense tensor: call .to_dense() on a sparse one.")
+    if t.is_meta:
+        return ("a tensor on the meta device, which has a shape but holds no numbers",
+                "Compute the values: create tensors on the CPU (leave out device='meta').")
+    if t.device.type != "cpu":
+        return f"a tensor on {t.device}", "Return the tensor on the CPU: add .cpu()."
+    if t.is_quantized:
+        return "a quantized tensor", "Return an ordinary tensor: call .dequantize() on it."
+    if t.is_complex():
+        return ("a complex tensor", "The answer is real: return a real tensor (taking the real part would "
+                "silently drop the imaginary one, so the checker will not do it for you).")
+    return None
+
+
+def _check_tensor(t: torch.Tensor, call: str) -> torch.Tensor:
+    problem = _tensor_problem(t)
+    if problem is not None:
+        raise Mismatch(f"{call} returned {problem[0]}", problem[1])
+    return t
+
+
+def _plain(value, call: str, depth: int = 0):
+    """``value`` with every container made a plain list / tuple / dict (a subclass could lie about its items), and
+    every tensor in it checked to be one the checker can judge; numbers of a subclass become plain numbers."""
+    if isinstance(value, torch.Tensor):
+        return _check_tensor(value, call)
+    if depth > 6:
+        return value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, tuple):
+        return tuple(_plain(v, call, depth + 1) for v in tuple.__iter__(value))
+    if isinstance(value, list):
+        return [_plain(v, call, depth + 1) for v in list.__iter__(value)]
+    if isinstance(value, dict):
+        return {k: _plain(v, call, depth + 1) for k, v in dict.items(value)}
+    return value
+
+
 def expect_tensor(value, call: str, hint: str = "Return a torch.Tensor.") -> torch.Tensor:
-    """Raise :class:`Mismatch` unless ``call`` (shown to the reader) returned a tensor; return it."""
+    """Raise :class:`Mismatch` unless ``call`` (shown to the reader) returned a plain, dense, real CPU tensor;
+    return it."""
     if value is None and hint == "Return a torch.Tensor.":
         hint = "Did you forget the `return` statement? Return a torch.Tensor."
     expect(isinstance(value, torch.Tensor), f"{call} returned a {type(value).__name__}, expected a torch.Tensor",
            hint)
-    return value
+    return _check_tensor(value, call)
 
 
 def expect_number(value, call: str, hint: str = "") -> float:
     """Raise :class:`Mismatch` unless ``call`` returned a real number (a Python/NumPy number or a one-element
-    tensor); return it as a float. Strings such as ``"4.0"``, ``None``, lists and booleans are refused."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex \
-            and value.dtype != torch.bool:
-        return float(value.detach().reshape(()).item())
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    tensor); return it as a float. Strings such as ``"4.0"``, ``None``, lists, booleans and complex numbers are
+    refused."""
+    if isinstance(value, torch.Tensor):
+        _check_tensor(value, call)
+        if value.numel() == 1 and value.dtype != torch.bool:
+            return float(value.detach().reshape(()).item())
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     expect_type(value, (), call, "a number (a float)", hint or (
         "Did you forget the `return` statement? Return a number (a float)." if value is None
@@ -120,11 +175,28 @@ def expect_number(value, call: str, hint: str = "") -> float:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def expect_integer(value, call: str, hint: str = "") -> int:
+    """Raise :class:`Mismatch` unless ``call`` returned a whole number as an int (a Python/NumPy integer or a
+    one-element integer tensor); a float, even ``2.0``, is refused. Return it as an int."""
+    if isinstance(value, torch.Tensor):
+        _check_tensor(value, call)
+        if value.numel() == 1 and not value.is_floating_point() and value.dtype != torch.bool:
+            return int(value.reshape(()).item())
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (float, torch.Tensor)) or isinstance(value, numbers.Real) and not isinstance(value, bool):
+        raise Mismatch(f"{call} returned {_describe(value)}, expected an int",
+                       hint or "Return a whole number as an int: use // rather than / (or int(...)).")
+    expect_type(value, (), call, "an int", hint or (
+        "Did you forget the `return` statement? Return an int." if value is None else "Return an int."))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def _as_float_tensor(x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.detach().to(torch.float64)
-    if isinstance(x, (str, bytes)) or x is None:
-        raise TypeError("not a number")
+    if isinstance(x, (str, bytes, complex)) or x is None:
+        raise TypeError("not a real number")
     return torch.as_tensor(x, dtype=torch.float64)
 
 
@@ -148,6 +220,10 @@ def expect_close(got, expected, what: str, hint: str = "", *, rtol: float = 1e-4
     Both are compared in float64; the tolerance widens to fit a float32 / float16 / bfloat16 tensor, so a correct
     answer computed in lower precision passes.
     """
+    if isinstance(got, torch.Tensor):
+        problem = _tensor_problem(got)
+        if problem is not None:
+            raise Mismatch(f"{what}: got {problem[0]}", problem[1])
     try:
         g = _as_float_tensor(got)
     except (TypeError, ValueError, RuntimeError):
@@ -173,7 +249,7 @@ def _same(a, b, depth: int = 0) -> bool:
     if depth > 20:
         return True
     if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+        if type(b) is not type(a) or a.shape != b.shape or a.dtype != b.dtype or b.layout != a.layout:
             return False
         if a.is_floating_point() or a.is_complex():
             return bool(((a == b) | (a.isnan() & b.isnan())).all())
@@ -200,34 +276,74 @@ _IN_PLACE_HINT = ("Do not change the caller's arguments: compute new values inst
                   "`ids.append(new)`), or start from a copy (`x.clone()`, `list(ids)`).")
 
 
+def _is_stub(err: NotImplementedError) -> bool:
+    """Whether ``err`` is the exercise's stub (``raise NotImplementedError`` in the reader's own code), not an
+    operation torch does not implement (e.g. on a sparse tensor), which is a real error."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or not sandbox.is_reader_file(tb.tb_frame.f_code.co_filename):
+        return False
+    line = linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+    return bool(re.match(r"\s*raise\s+NotImplementedError\b", line)) if line else not err.args
+
+
+_EXIT_HINT = "Return a value instead: sys.exit() would stop the whole program (in a notebook, the kernel)."
+
+
+def _package_call_hint(label: str, forbid: tuple) -> str:
+    for item in forbid:
+        if isinstance(item, Forbidden) and item.label == label and item.hint:
+            return item.hint
+    return (f"The exercise is to compute it yourself: {label.rsplit('.', 1)[-1]} is the book's own solution, "
+            "so calling it proves nothing. Use torch operations and Python.")
+
+
+def _judged_outcome(outcome: sandbox.Outcome, call: str, forbid: tuple):
+    """The reader's return value, or the exception that turns ``outcome`` into a verdict."""
+    if outcome.tripped is not None:
+        raise Mismatch(f"{call} calls {outcome.tripped}", _package_call_hint(outcome.tripped, forbid))
+    if outcome.timed_out:
+        raise CheckerTimeout(call, outcome.abandoned)
+    err = outcome.error
+    if err is None:
+        return outcome.value
+    if isinstance(err, NotImplementedError) and _is_stub(err):
+        raise err
+    if isinstance(err, KeyboardInterrupt):
+        raise err
+    if isinstance(err, SystemExit):
+        raise ReaderError(call, err, _EXIT_HINT) from None
+    raise ReaderError(call, err) from err
+
+
 def call_reader(fn: Callable, *args, call: str | None = None, names: tuple[str, ...] | list[str] | None = None,
-                returns=None, expected: str | None = None, **kwargs):
+                returns=None, expected: str | None = None, forbid: Iterable = (), **kwargs):
     """Call the reader's ``fn(*args, **kwargs)`` the safe way and return what it returned.
 
     - ``fn`` gets deep copies of the arguments, so the checker's own inputs (and the expected values computed
       from them) cannot change; afterwards an argument the function changed in place is reported as a
       :class:`Mismatch` naming it (``names`` gives the argument names; otherwise positions are counted).
-    - An exception raised by ``fn`` (or ``sys.exit()``) becomes a :class:`ReaderError`, so ``run_checks`` reports
-      it as the reader's error; ``NotImplementedError`` (the stub) and ``KeyboardInterrupt`` pass through.
-    - With ``returns`` (a type or a tuple of types), a value of another type is a :class:`Mismatch` that names the
-      expected type (``expected`` spells it out, e.g. ``"a pair (out, weights)"``).
+    - ``fn`` runs out of the judge's reach and within the time bound (:mod:`groundup.exercises.sandbox`);
+      ``forbid`` names package functions (or :class:`Forbidden` attributes) that it must not call: a call is a
+      :class:`Mismatch` saying so.
+    - An exception raised by ``fn`` (or ``sys.exit()``, or any other ``BaseException``) becomes a
+      :class:`ReaderError`, so ``run_checks`` reports it as the reader's error; the stub's own
+      ``raise NotImplementedError`` and ``KeyboardInterrupt`` pass through.
+    - What comes back is made plain (containers of a subclass become lists / tuples / dicts) and every tensor in
+      it must be a plain, dense, real CPU tensor. With ``returns`` (a type or a tuple of types), a value of another
+      type is a :class:`Mismatch` that names the expected type (``expected`` spells it out, e.g. ``"a pair (out,
+      weights)"``).
 
     ``call`` is how the call is shown to the reader, e.g. ``"attention(q, k, v)"``.
     """
     call = call or f"{getattr(fn, '__name__', 'your function')}(...)"
+    forbid = tuple(forbid)
     try:
         given_args, given_kwargs = copy.deepcopy(args), copy.deepcopy(kwargs)
     except Exception:  # noqa: BLE001 -- an argument that cannot be copied is handed over as it is
         given_args, given_kwargs = args, kwargs
-    try:
-        got = fn(*given_args, **given_kwargs)
-    except (NotImplementedError, KeyboardInterrupt, CheckerTimeout):
-        raise
-    except SystemExit as err:
-        raise ReaderError(call, err, "Return a value instead: sys.exit() would stop the whole program (in a "
-                                     "notebook, the kernel).") from None
-    except Exception as err:  # noqa: BLE001 -- the reader's crash is part of the verdict
-        raise ReaderError(call, err) from err
+    got = _judged_outcome(sandbox.call(fn, given_args, given_kwargs, forbid), call, forbid)
     for i, (original, given) in enumerate(zip(args, given_args)):
         if given is not original and not _same(original, given):
             name = names[i] if names and i < len(names) else f"argument {i + 1}"
@@ -235,137 +351,10 @@ def call_reader(fn: Callable, *args, call: str | None = None, names: tuple[str, 
     for key, original in kwargs.items():
         if given_kwargs[key] is not original and not _same(original, given_kwargs[key]):
             raise Mismatch(f"{call} changed its input {key} in place", _IN_PLACE_HINT)
+    got = _plain(got, call)
     if returns is not None:
         expect_type(got, returns, call, expected)
     return got
-
-
-# ---- telling the reader's code from the book's ------------------------------------------------------------------
-
-
-def _library_roots() -> tuple[str, ...]:
-    roots = {str(Path(__file__).resolve().parents[1])}  # the groundup package
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        with contextlib.suppress(KeyError):
-            roots.add(str(Path(sysconfig.get_path(key)).resolve()))
-    with contextlib.suppress(Exception):
-        roots.update(str(Path(p).resolve()) for p in site.getsitepackages())
-    with contextlib.suppress(Exception):
-        roots.add(str(Path(site.getusersitepackages()).resolve()))
-    return tuple(r.rstrip(os.sep) + os.sep for r in roots)
-
-
-_LIBRARY_ROOTS = _library_roots()
-_FILE_VERDICT: dict[str, bool] = {}
-
-
-def _is_reader_file(filename: str) -> bool:
-    """Whether code from ``filename`` is the reader's: anything but the groundup package, the standard library
-    and installed packages (a notebook cell, a script, a test)."""
-    if filename not in _FILE_VERDICT:
-        if filename.startswith("<frozen"):
-            verdict = False
-        elif filename.startswith("<"):
-            verdict = True  # <ipython-input-...>, <string>, <stdin>
-        else:
-            try:
-                resolved = str(Path(filename).resolve())
-            except (OSError, ValueError):
-                resolved = filename
-            verdict = not resolved.startswith(_LIBRARY_ROOTS)
-        _FILE_VERDICT[filename] = verdict
-    return _FILE_VERDICT[filename]
-
-
-def _raised_in_reader_code(err: BaseException) -> bool:
-    tb = err.__traceback__
-    while tb is not None:
-        if _is_reader_file(tb.tb_frame.f_code.co_filename):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _running_reader_code(frame) -> bool:
-    """Whether reader's code is on the stack between ``frame`` and the ``run_checks`` that is running."""
-    while frame is not None and frame.f_code is not run_checks.__code__:
-        if _is_reader_file(frame.f_code.co_filename):
-            return True
-        frame = frame.f_back
-    return False
-
-
-# ---- the time bound ---------------------------------------------------------------------------------------------
-
-
-class _Alarm:
-    """A SIGALRM time bound for code running in the main thread (where a notebook runs its cells).
-
-    After ``seconds`` it raises :class:`CheckerTimeout` in the running code, and again every half second until the
-    exception escapes (a reader's bare ``except:`` cannot hold it for long). It raises only while the reader's code
-    is on the stack, so a slow checker is not blamed on the reader. Ctrl-C / the notebook's interrupt button still
-    raise ``KeyboardInterrupt`` as usual. A timer another library had set is restored afterwards.
-    """
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.active = False
-        self.fired = False
-
-    def _handler(self, signum, frame):
-        if self.active and _running_reader_code(frame):
-            self.fired = True
-            raise CheckerTimeout(self.seconds)
-
-    def __enter__(self):
-        self.previous_handler = signal.signal(signal.SIGALRM, self._handler)
-        self.previous_timer = signal.setitimer(signal.ITIMER_REAL, 0)
-        self.active = True
-        signal.setitimer(signal.ITIMER_REAL, self.seconds, 0.5)
-        return self
-
-    def disarm(self) -> None:
-        if not self.active:
-            return
-        self.active = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, self.previous_handler)
-        delay, interval = self.previous_timer
-        if delay > 0:
-            signal.setitimer(signal.ITIMER_REAL, max(delay - self.seconds, 0.001), interval)
-
-    def __exit__(self, *exc) -> None:
-        self.disarm()
-
-
-def _run_in_thread(checks: Callable[[], None], seconds: float) -> None:
-    """Run ``checks`` in a worker thread and wait at most ``seconds`` (the path off the main thread, where
-    signals cannot be used).
-
-    On timeout :class:`CheckerTimeout` is raised here, and also injected into the worker, which stops at its next
-    Python instruction. A worker stuck inside one long C call (a huge matrix product) cannot be stopped from
-    outside: it is a daemon thread, keeps running in the background until that call returns, then stops; it
-    never blocks the interpreter's exit. Its result is discarded.
-    """
-    outcome: dict[str, BaseException] = {}
-    grad = torch.is_grad_enabled()
-
-    def work():
-        try:
-            with torch.set_grad_enabled(grad):  # grad mode is per thread: carry the caller's over
-                checks()
-        except BaseException as err:  # noqa: BLE001 -- handed to the calling thread
-            outcome["error"] = err
-
-    worker = threading.Thread(target=work, name="groundup-checker", daemon=True)
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident), ctypes.py_object(CheckerTimeout))
-        worker.join(0.5)
-        raise CheckerTimeout(seconds)
-    if "error" in outcome:
-        raise outcome["error"]
 
 
 # ---- global state ----------------------------------------------------------------------------------------------
@@ -431,49 +420,67 @@ def _report_url() -> str:
     return _REPORT_URL
 
 
+def _say(text: str, indent: str = "   ", first: str = "") -> None:
+    """Print ``text`` wrapped to :data:`MESSAGE_WIDTH`, continuation lines indented by ``indent``."""
+    print(textwrap.fill(text, MESSAGE_WIDTH, initial_indent=first, subsequent_indent=indent,
+                        break_long_words=False, break_on_hyphens=False))
+
+
 def _failed(title: str, what: str, hint: str = "") -> Verdict:
-    print(f"❌ {title}: {what}")
+    _say(f"❌ {title}: {what}")
     if hint:
-        print(f"   Hint: {hint}")
+        _say(f"Hint: {hint}", first="   ", indent="         ")
     return Verdict(False)
 
 
 def _reader_error(title: str, err: BaseException, hint: str = "") -> Verdict:
     if isinstance(err, SystemExit):
         return _failed(title, f"your function called sys.exit({'' if err.code is None else repr(err.code)})",
-                       hint or "Return a value instead: sys.exit() would stop the whole program (in a notebook, "
-                               "the kernel).")
-    return _failed(title, f"your function raised {type(err).__name__}: {err}", hint)
+                       hint or _EXIT_HINT)
+    return _failed(title, f"your function raised {type(err).__name__}: {err}".rstrip(": "), hint)
+
+
+def _checker_crashed(title: str, err: BaseException) -> Verdict:
+    _say(f"⚠️ {title}: the checker itself crashed ({type(err).__name__}: {err}). This is a bug in the book, "
+         "not a verdict on your code.")
+    _say(f"Please report it at {_report_url()}, with the code of your function.", first="   ")
+    return Verdict(False, checker_error=True)
 
 
 def run_checks(title: str, checks: Callable[[], None], success: str = "", *,
                timeout: float | None = None) -> Verdict:
-    """Run ``checks``, print one verdict line (plus a hint line when it failed) and return the :class:`Verdict`.
+    """Run ``checks``, print one verdict (plus a hint when it failed) and return the :class:`Verdict`.
 
     ``timeout`` (default :data:`DEFAULT_TIMEOUT` seconds; ``0`` or a negative number: no bound) bounds the time
-    the reader's code may run. In the main thread a SIGALRM timer interrupts it (see :class:`_Alarm`); elsewhere
-    the checks run in a worker thread (see :func:`_run_in_thread` for what happens to a runaway thread). Either
-    way Ctrl-C / the notebook's interrupt button stops the cell. Global state is restored afterwards.
+    the reader's code may run, summed over its calls (:func:`groundup.exercises.sandbox.bounded`; the reader's
+    function runs in a worker thread). Ctrl-C / the notebook's interrupt button stops the cell. Global state
+    is restored afterwards; a patch of torch or of the book that the reader's code made while the checker ran
+    (from a thread of its own, say) voids the verdict and is put back.
     """
     seconds = DEFAULT_TIMEOUT if timeout is None else timeout
-    alarm = None
+    snapshot = sandbox.Snapshot()
     try:
         with _restored_global_state():
-            if seconds <= 0:
-                checks()
-            elif threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
-                alarm = _Alarm(seconds)
-                with alarm:
-                    checks()
-            else:
-                _run_in_thread(checks, seconds)
-    except NotImplementedError:
-        print(f"⏳ {title}: not attempted yet. Replace `raise NotImplementedError` with your code "
-              "and run the cell again.")
+            sandbox.bounded(checks, seconds if seconds > 0 else None)
+        patched = snapshot.restore()
+        if patched:
+            return _failed(title, "your code replaced " + ", ".join(sorted(set(patched))[:5]) + " while the "
+                           "checker ran, so the verdict cannot be trusted (the originals are back)",
+                           "Leave torch and the book's functions as they are, and run the check again.")
+    except NotImplementedError as err:
+        if not _is_stub(err):
+            return _crash_or_reader_error(title, err)
+        _say(f"⏳ {title}: not attempted yet. Replace `raise NotImplementedError` with your code "
+             "and run the cell again.")
         return Verdict(False)
     except Mismatch as m:
         return _failed(title, m.what, m.hint)
-    except CheckerTimeout:
+    except CheckerTimeout as err:
+        if err.args[1:] == (True,):  # the reader's code could not be stopped
+            return _failed(title, f"your function did not finish within {seconds:g} s, and it is still running "
+                           "in the background: it catches the exception that should stop it",
+                           "Restart the kernel to stop it. Then look for a loop that never ends, and for a bare "
+                           "`except:` or an `except BaseException:` that catches everything.")
         return _failed(title, f"your function did not finish within {seconds:g} s",
                        "Look for a loop that never ends: a `while` whose condition never becomes false, or an "
                        "index that is never advanced. (A correct but very slow function also ends up here.)")
@@ -481,15 +488,15 @@ def run_checks(title: str, checks: Callable[[], None], success: str = "", *,
         return _reader_error(title, err.error, err.hint)
     except SystemExit as err:
         return _reader_error(title, err)
-    except Exception as err:  # noqa: BLE001 -- a crash becomes a verdict, never a traceback
-        if _raised_in_reader_code(err):
-            return _reader_error(title, err)
-        print(f"⚠️ {title}: the checker itself crashed ({type(err).__name__}: {err}). This is a bug in the book, "
-              "not a verdict on your code.")
-        print(f"   Please report it at {_report_url()}, with the code of your function.")
-        return Verdict(False, checker_error=True)
-    finally:
-        if alarm is not None:
-            alarm.disarm()
-    print(f"✅ {title}: correct." + (f" {success}" if success else ""))
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001 -- a crash becomes a verdict, never a traceback
+        return _crash_or_reader_error(title, err)
+    _say(f"✅ {title}: correct." + (f" {success}" if success else ""))
     return Verdict(True)
+
+
+def _crash_or_reader_error(title: str, err: BaseException) -> Verdict:
+    if sandbox.raised_in_reader_code(err):
+        return _reader_error(title, err)
+    return _checker_crashed(title, err)
