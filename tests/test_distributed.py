@@ -44,15 +44,18 @@ FLOAT32_TOLERANCE = 1e-6
 The gradients differ by float32 rounding, ~1e-7 relative; AdamW's step m / (sqrt(v) + eps) changes by about as
 much relative, i.e. by ~1e-7 lr per step, and the parameters (|w| <= ~1, where float32's spacing is 1.2e-7) end a
 few units in the last place apart: 1.2e-7 measured. 1e-6 is eight such units; a wrongly weighted micro-batch
-(the bug of issue 21) moved chapter 10's model by 5e-3."""
+(the bug of issue 21) moved chapter 10's model by 5e-3. This holds where gradients are well above the rounding
+noise: an entry whose gradient is itself noise gets AdamW steps of either sign, up to lr each. In these models
+only the key biases are such entries (zero_gradient); chapter 11 shows the effect in a bigger model."""
 FLOAT32_LOSS_TOLERANCE = 1e-5
 """The recorded losses (means of float32 numbers of about 2.5: spacing 2.4e-7) of a whole-batch and a split run."""
 
 
 def zero_gradient(name: str) -> bool:
-    """The key projections' biases, whose exact gradient is 0.
+    """The key projections' biases, whose exact gradient is 0 in models with absolute positions (these tests').
 
-    softmax(s + c) = softmax(s) for a shift c shared by all keys of a query, and q . b_K is such a shift. Computed in
+    softmax(s + c) = softmax(s) for a shift c shared by all keys of a query, and q . b_K is such a shift (rotary
+    positions would rotate b_K with each key's position, giving it a real gradient). Computed in
     float32 their gradient is rounding noise (~1e-12), which AdamW divides by sqrt(v) + eps (eps = 1e-8): they move
     by noise alone, differently in two runs. Checked instead: they stay within KEY_BIAS_STEP lr per step of 0.
     """

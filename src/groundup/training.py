@@ -517,8 +517,9 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
     the mean loss over the whole batch's counted targets, padded batches included; the recorded loss is that mean.
     What "the same" means (chapter 11): ``p`` processes make bit for bit the updates of one process accumulating
     ``p`` micro-batches (same rows, same arithmetic; ``p`` a power of two, one thread per process); one process
-    on the whole batch adds the same numbers in another order, so its parameters differ by float32 rounding, which
-    Muon's bfloat16 orthogonalisation enlarges to about bfloat16's rounding (2^-8) times the step size. The batch
+    on the whole batch adds the same numbers in another order, so its parameters differ by float32 rounding (which
+    AdamW enlarges to up to a learning rate per step in entries whose gradient is itself rounding noise, and
+    Muon's bfloat16 orthogonalisation to about bfloat16's rounding, 2^-8, times the step size). The batch
     sampler's state does not depend on ``p`` or ``a``, so a run can resume with a different number of processes.
     All processes share one global random stream (dropout), and a time budget is refused (processes would
     disagree about when time is up).
