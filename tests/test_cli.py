@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -143,3 +144,207 @@ def test_bench_tokenizers_without_the_library_says_what_to_install(monkeypatch, 
     assert bench_main(["tokenizers"]) == 1
     err = capsys.readouterr().err
     assert "[tokenizers] skipped" in err and "pip install tokenizers" in err
+
+
+# ---- careless and hostile input: every message names the flag the user typed, no tracebacks -----------------
+
+TINY_RUN = ["--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16", "--batch-size", "4",
+            "--max-steps", "4", "--eval-interval", "2", "--eval-batches", "1", "--warmup", "1", "--no-progress",
+            "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "t.txt"
+    path.write_text("to be or not to be, that is the question.\n" * 40, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, small_text):
+    out = tmp_path_factory.mktemp("run") / "r"
+    assert cli.main(["train", "--text", str(small_text), "--out", str(out), *TINY_RUN]) == 0
+    return out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sample", "RUN", "--tokens", "-5"], "argument --tokens: must be an integer >= 0, got -5"),
+    (["sample", "RUN", "--temperature", "-1"],
+     "argument --temperature: must be a number >= 0.001, got -1; for the most probable token at every step use "
+     "--greedy"),
+    (["sample", "RUN", "--temperature", "1e-40"], "argument --temperature: must be a number >= 0.001, got 1e-40"),
+    (["sample", "RUN", "--temperature", "nan"], "argument --temperature: must be a number >= 0.001, got nan"),
+    (["sample", "RUN", "--top-p", "0"], "argument --top-p: must be a number in (0, 1], got 0"),
+    (["sample", "RUN", "--top-k", "0"], "argument --top-k: must be a positive integer, got 0"),
+    (["sample", "RUN", "--seed", "9999999999999999999999"],
+     "argument --seed: must be an integer from 0 to 2**64 - 1 = 18446744073709551615, got 9999999999999999999999"),
+    (["sample", "RUN", "--device", "bogus"], "argument --device: unknown device 'bogus': use cpu, cuda, cuda:N or mps"),
+    (["train", "--out", "OUT", "--threads", "-1"], "argument --threads: must be a positive integer, got -1"),
+    (["train", "--out", "OUT", "--d-model", "-3"], "argument --d-model: must be a positive integer, got -3"),
+    (["train", "--out", "OUT", "--dropout", "1"], "argument --dropout: must be a number in [0, 1), got 1"),
+    (["train", "--out", "OUT", "--lr", "0"], "argument --lr: must be a number > 0, got 0"),
+    (["train", "--out", "OUT", "--minutes", "inf"], "argument --minutes: must be a number > 0, got inf"),
+    (["train", "--out", "OUT", "--seed", "-1"], "argument --seed: must be an integer from 0 to 2**64 - 1"),
+    (["train", "--out", "OUT", "--warmup", "x"], "argument --warmup: must be an integer >= 0, got 'x'"),
+])
+def test_out_of_range_flags_are_usage_errors_that_name_the_flag(tmp_path, capsys, argv, message):
+    argv = [str(tmp_path / "r") if a in ("RUN", "OUT") else a for a in argv]
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--out", str(tmp_path / "r"), "--device", "cuda"])
+    assert "argument --device: cannot use 'cuda': no CUDA GPU is available here" in capsys.readouterr().err
+
+
+def test_settings_the_model_refuses_are_reported_with_the_flags(tmp_path, small_text, capsys):
+    assert cli.main(["train", "--text", str(small_text), "--out", str(tmp_path / "r"), "--d-model", "100",
+                     "--heads", "6"]) == 1
+    assert "error: --d-model (100) must be divisible by --heads (6)" in capsys.readouterr().err
+    assert cli.main(["train", "--text", str(small_text), "--out", str(tmp_path / "r"), "--lr", "0.1",
+                     "--min-lr", "0.5"]) == 1
+    assert "error: --min-lr (0.5) must not exceed --lr (0.1)" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists(), "a run that never started leaves no folder"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--d-model", "100000", "--heads", "4"], "--d-model 100000"),  # 4.8e11 parameters: 7,700 GB to train
+    (["--positional", "learned", "--context", "100000000"], "--context 100000000"),  # a 1e8 x 192 table, logits
+])
+def test_absurd_model_sizes_are_refused_before_anything_is_allocated(tmp_path, small_text, capsys, flags, named):
+    from groundup.footprint import device_memory
+
+    if device_memory() is None:
+        pytest.skip("this system does not report its memory")
+    assert cli.main(["train", "--text", str(small_text), "--out", str(tmp_path / "r"), *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: training this model (") and named in err, err
+    assert "GB of memory, more than this machine's" in err and "choose smaller values" in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_training_estimate_counts_adamw_state_and_a_batch_of_logits():
+    from groundup.footprint import meta_model, training_bytes
+    from groundup.models import GPT, GPTConfig
+
+    shape = meta_model(GPT, GPTConfig(vocab_size=10, context_length=8, d_model=16, n_layers=2, n_heads=2))
+    n = sum(p.numel() for p in shape.parameters())
+    parts = training_bytes(shape, batch_size=3, context_length=8)
+    assert parts["parameters"] == 16 * n  # weights, gradients, two moments in float32
+    assert parts["activations"] == 4 * 3 * 8 * (2 * 10 + 2 * 16)  # logits and their gradient, one stream per block
+    assert parts["total"] == parts["parameters"] + parts["buffers"] + parts["activations"]
+
+
+def test_text_files_that_are_empty_endless_or_not_text_get_clear_errors(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert cli.main(["train", "--text", str(empty), "--out", str(tmp_path / "r")]) == 1
+    assert f"error: --text {empty} is empty: give a file with some text to train on" in capsys.readouterr().err
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(b"abc\xff\xfe")
+    assert cli.main(["train", "--text", str(binary), "--out", str(tmp_path / "r")]) == 1
+    assert f"--text {binary} is not UTF-8 text (byte 3: invalid start byte)" in capsys.readouterr().err
+    if os.path.exists("/dev/zero"):  # endless: read up to the bound, then refused
+        assert cli.main(["train", "--text", "/dev/zero", "--out", str(tmp_path / "r")]) == 1
+        assert "--text /dev/zero is larger than 100 MB" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_text_too_short_for_the_context_names_both(tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("abcdefghij" * 30)  # 300 characters: a validation tenth of 30
+    assert cli.main(["train", "--text", str(short), "--out", str(tmp_path / "r"), "--context", "64"]) == 1
+    assert f"--text {short} has 300 characters: too few for --context 64" in capsys.readouterr().err
+
+
+def test_minutes_announce_a_time_not_a_billion_steps(tmp_path, small_text, capsys, monkeypatch):
+    from groundup import runs
+
+    def stop_at_once(*args, **kwargs):
+        raise KeyboardInterrupt("stopped by the test")
+
+    monkeypatch.setattr(runs, "train", stop_at_once)
+    assert cli.main(["train", "--text", str(small_text), "--out", str(tmp_path / "r"), "--minutes", "0.3",
+                     *TINY_RUN[:8], "--no-progress"]) == 130
+    out, err = capsys.readouterr()
+    assert "for 0.3 minutes (--minutes) of 8 x 16 tokens" in out and "1000000000" not in out, out
+    assert "stopped by the test before the first checkpoint: nothing to resume" in err, err
+
+
+def test_train_help_shows_the_default_corpus():
+    text = " ".join(subprocess.run([sys.executable, "-m", "groundup", "train", "--help"], capture_output=True,
+                                   text=True).stdout.split())
+    assert "--corpus {shakespeare,tinyshakespeare} a named corpus (default: shakespeare)" in text, text
+
+
+def test_an_empty_prompt_starts_from_a_newline_like_no_prompt(tiny_run, capsys):
+    assert cli.main(["sample", str(tiny_run), "--tokens", "20", "--prompt", ""]) == 0
+    empty = capsys.readouterr().out
+    assert cli.main(["sample", str(tiny_run), "--tokens", "20"]) == 0
+    assert capsys.readouterr().out == empty and empty.startswith("\n") and len(empty) == 22
+
+
+def test_sample_piped_into_head_exits_141_quietly(tiny_run):
+    prompt = "to be or not to be " * 6_000  # echoed: 114 kB, more than a pipe holds (64 kB), so printing blocks
+    proc = subprocess.Popen([sys.executable, "-m", "groundup", "sample", str(tiny_run), "--tokens", "1", "--prompt",
+                             prompt], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    proc.stdout.close()  # like `| head -c 1`
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and err == "", err
+
+
+def test_a_full_disk_names_the_file_that_could_not_be_written(tmp_path, small_text, capsys, monkeypatch):
+    import groundup.utils
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(groundup.utils.os, "fsync", no_space)
+    out = tmp_path / "r"
+    assert cli.main(["train", "--text", str(small_text), "--out", str(out), *TINY_RUN]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: No space left on device: {out}{os.sep}") and err.count("\n") == 1, err
+
+
+def test_resume_works_from_another_directory(tmp_path, small_text, capsys, monkeypatch):
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    (here / "t.txt").write_bytes(small_text.read_bytes())
+    monkeypatch.chdir(here)
+    assert cli.main(["train", "--text", "t.txt", "--out", "run", *TINY_RUN]) == 0
+    from groundup.training import load_checkpoint
+
+    assert load_checkpoint(here / "run")[1]["extra"]["source"]["text_file"] == str(here / "t.txt")
+    monkeypatch.chdir(elsewhere)
+    assert cli.main(["train", "--out", str(here / "run"), "--resume", "--no-progress", "--threads", "1"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    # both moved together: found relative to the run folder
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (here / "t.txt").rename(moved / "t.txt")
+    (here / "run").rename(moved / "run")
+    assert cli.main(["train", "--out", str(moved / "run"), "--resume", "--no-progress", "--threads", "1"]) == 0
+
+
+def test_a_damaged_random_state_in_a_checkpoint_is_refused_on_resume(tmp_path, small_text, capsys):
+    import torch
+
+    from groundup.training import CHECKPOINT_NAME
+
+    out = tmp_path / "r"
+    assert cli.main(["train", "--text", str(small_text), "--out", str(out), *TINY_RUN]) == 0
+    state = torch.load(out / CHECKPOINT_NAME, weights_only=True)
+    state["sampler_rng"] = torch.zeros(3, dtype=torch.uint8)
+    torch.save(state, out / CHECKPOINT_NAME)
+    capsys.readouterr()
+    assert cli.main(["train", "--out", str(out), "--resume", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out / CHECKPOINT_NAME} holds a damaged random state (sampler_rng: "), err

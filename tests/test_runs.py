@@ -328,3 +328,89 @@ def test_a_checkpoint_whose_buffers_would_exceed_memory_is_refused(tmp_path):
         pytest.skip("this system does not report its memory")
     with pytest.raises(ValueError, match=r"model configuration in .* needs at least 8,000 GB of memory"):
         load_checkpoint(path)
+
+
+# --- several processes: Ctrl-C, kill -9 of the launcher, one run per folder -----------------------------------
+
+PARALLEL = ["--max-steps", "100000", "--layers", "1", "--d-model", "32", "--heads", "2", "--context", "32",
+            "--batch-size", "4", "--eval-interval", "20", "--eval-batches", "1", "--warmup", "5", "--no-progress",
+            "--threads", "1", "--nproc", "2"]
+
+
+def _start_two_process_run(text_file, run):
+    """``groundup train --nproc 2`` in the background, once its first checkpoint is written."""
+    proc = subprocess.Popen([sys.executable, "-m", "groundup.cli", "train", "--text", str(text_file), "--out",
+                             str(run), *PARALLEL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not (run / CHECKPOINT_NAME).exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    return proc
+
+
+def _descendants(pid):
+    """The processes below ``pid`` (children, grandchildren, ...), from /proc."""
+    from groundup.distributed import _children
+
+    found, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] != b"Z"  # a zombie has ended, only its exit status is left
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_on_a_two_process_run_saves_a_checkpoint_and_exits_130(tmp_path, text_file):
+    run = tmp_path / "run"
+    proc = _start_two_process_run(text_file, run)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C does: torchrun runs in a session of its own
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "Error" not in err, err
+    said = [line for line in err.splitlines() if "training interrupted after step" in line]
+    assert len(said) == 1, err  # process 0 alone says it
+    step = load_checkpoint(run)[1]["step"]
+    assert said[0] == f"training interrupted after step {step}; checkpoint saved in {run}; continue with: " \
+                      f"groundup train --out {run} --resume"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_kill_9_of_the_launcher_stops_torchrun_and_its_processes(tmp_path, text_file):
+    run = tmp_path / "run"
+    proc = _start_two_process_run(text_file, run)
+    below = _descendants(proc.pid)
+    assert len(below) >= 3, below  # torchrun and two processes
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(map(_alive, below)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(_alive, below)), "torchrun or a process outlived the killed launcher"
+    step = load_checkpoint(run)[1]["step"]
+    time.sleep(2.0)
+    assert load_checkpoint(run)[1]["step"] == step, "training went on"
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused_naming_it(tmp_path, text_file, capsys):
+    from groundup import runs
+
+    out = tmp_path / "run"
+    with runs._run_lock(out, False, 0):  # as a run in another process holds it
+        assert cli.main(["train", "--text", str(text_file), "--out", str(out), "--max-steps", "2", *SMALL]) == 1
+        err = capsys.readouterr().err
+        assert f"{out} is in use by another groundup train (process {os.getpid()})" in err, err
+        assert not (out / CHECKPOINT_NAME).exists()
+    assert cli.main(["train", "--text", str(text_file), "--out", str(out), "--max-steps", "2", *SMALL]) == 0
+    assert load_checkpoint(out)[1]["step"] == 2

@@ -82,30 +82,62 @@ def torchrun_command(nproc: int, args, *, module: str = "groundup.distributed") 
             "--max-restarts=0", "--monitor-interval=0.5", "-m", module, *map(str, args)]
 
 
+LAUNCHER_ENV = "GROUNDUP_LAUNCHER_PID"
+"""Set by :func:`launch` for torchrun and its processes: the launching process, which they must not outlive."""
+TORCHRUN_ENV = "GROUNDUP_TORCHRUN_PID"
+"""Set by the torchrun that :func:`launch` starts, for its processes: their parent, which they must not outlive."""
+
+
 def launch(nproc: int, args, *, module: str = "groundup.distributed", timeout: float | None = None,
            env: dict | None = None) -> int:
     """Run ``torchrun`` with ``nproc`` processes of ``python -m module args...``; return its exit status.
 
-    The processes run with one CPU thread each unless ``OMP_NUM_THREADS`` is set. When any process fails, torchrun
-    stops the others and exits non-zero with a summary naming the failed rank; this adds a line saying so.
+    The processes run with one CPU thread each unless ``OMP_NUM_THREADS`` is set. torchrun runs in a session of
+    its own (a terminal's Ctrl-C reaches only this process) and in a thin wrapper (:func:`_torchrun_main`) that
+    makes it ignore SIGINT, die with this process and report a failed process in one line, not a traceback:
+
+    * Ctrl-C here is forwarded once, as SIGINT, through torchrun to the processes (each in a session of its own),
+      which treat it as one process does (``groundup train`` stops at the end of the step, process 0 saves a
+      checkpoint); the status is then 130. A second Ctrl-C stops them at once (SIGTERM; the last checkpoint
+      written stays).
+    * If this process dies, even by SIGKILL, torchrun gets SIGTERM and stops its processes, and ``groundup
+      train``'s processes die with torchrun: Linux's parent-death signal (``PR_SET_PDEATHSIG``, set in each
+      child), and elsewhere a thread in each child that checks once a second that its parent is still there.
+    * When a process fails, torchrun stops the others and this prints a line saying so (status 1).
+
     ``timeout`` (seconds) stops the whole group (status 124) if it runs longer.
     """
-    command = torchrun_command(nproc, args, module=module)
-    environment = {**os.environ, **(env or {})}
+    import signal
+
+    command = [sys.executable, "-m", "groundup.distributed", "_torchrun",
+               *torchrun_command(nproc, args, module=module)[3:]]
+    environment = {**os.environ, **(env or {}), LAUNCHER_ENV: str(os.getpid())}
     environment.setdefault("OMP_NUM_THREADS", "1")
     process = subprocess.Popen(command, env=environment, start_new_session=True)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    interrupted = False
     try:
-        status = process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _stop_group(process)
-        print(f"error: the {nproc} processes ran longer than {timeout:g} s and were stopped", file=sys.stderr)
-        return 124
-    except KeyboardInterrupt:  # Ctrl-C reached torchrun too; wait for it to stop its processes
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        while True:
+            try:
+                status = process.wait(timeout=None if deadline is None else max(deadline - time.monotonic(), 0))
+                break
+            except subprocess.TimeoutExpired:
+                _stop_group(process)
+                print(f"error: the {nproc} processes ran longer than {timeout:g} s and were stopped", file=sys.stderr)
+                return 124
+            except KeyboardInterrupt:
+                if interrupted:  # a second Ctrl-C: stop at once
+                    process.send_signal(signal.SIGTERM)
+                    process.wait()
+                    print("\nstopped at once (a second Ctrl-C); the last checkpoint written stays", file=sys.stderr)
+                    return 130
+                interrupted = True
+                process.send_signal(signal.SIGINT)  # torchrun forwards it: the processes stop after their step
+    finally:
+        if process.poll() is None:  # this function itself failed: torchrun stops its processes on SIGTERM
             _stop_group(process)
-        raise
+    if interrupted:
+        return status or 130
     if status != 0:
         print(f"error: the distributed run failed (torchrun exit status {status}); the failed process's error is "
               "shown above", file=sys.stderr)
@@ -124,6 +156,98 @@ def _stop_group(process: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         process.wait()
+
+
+def _die_with_parent(expected_parent: int | None, sig) -> None:
+    """Get signal ``sig`` when this process's parent ends (or at once if it has ended already): Linux's
+    parent-death signal, and, everywhere, a daemon thread that checks once a second that the parent is still
+    ``expected_parent`` (an orphan's parent becomes another process)."""
+    import threading
+
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):  # no prctl: the thread below still watches
+            pass
+    parent = expected_parent if expected_parent is not None else os.getppid()
+
+    def orphaned() -> bool:
+        return os.getppid() != parent
+
+    def watch():
+        while not orphaned():
+            time.sleep(1.0)
+        os.kill(os.getpid(), sig)
+
+    if orphaned():  # the parent died before the signal was armed
+        os.kill(os.getpid(), sig)
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``: from ``/proc`` on Linux, ``pgrep -P`` elsewhere."""
+    if not os.path.isdir("/proc"):
+        found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
+        return [int(word) for word in found.stdout.split()]
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:  # it ended meanwhile
+                continue
+            fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (name) ": state, ppid, ...
+            if len(fields) > 1 and int(fields[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+def _signal_children(sig) -> None:
+    """Send ``sig`` to every child of this process."""
+    for pid in _children(os.getpid()):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _torchrun_main(argv) -> int:
+    """torchrun as :func:`launch` runs it: ``python -m groundup.distributed _torchrun [torchrun arguments]``.
+
+    It forwards SIGINT to its processes (torchrun starts each in a session of its own, out of reach of a signal
+    to its group; torchrun itself would take SIGINT as the end of everything), gets SIGTERM when the launching
+    process dies, and makes a failed process one line and torchrun's status, not a traceback.
+    """
+    import logging
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    signal.signal(signal.SIGINT, lambda signum, frame: _signal_children(signal.SIGINT))
+    launcher = os.environ.get(LAUNCHER_ENV)
+    # SIGTERM: torchrun's own handler then stops its processes before it ends (SIGTERM, then SIGKILL after 30 s)
+    _die_with_parent(int(launcher) if launcher and launcher.isdigit() else None, signal.SIGTERM)
+    os.environ[TORCHRUN_ENV] = str(os.getpid())
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the failures are reported below
+    try:
+        run(parse_args(["--signals-to-handle=SIGTERM,SIGHUP,SIGQUIT", *argv]))  # not SIGINT: forwarded above
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        how = f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0 else \
+            f"exited with status {failure.exitcode}"
+        print(f"error: process {rank} of the distributed run {how}", file=sys.stderr)
+        return 1
+    except SignalException as err:  # SIGTERM, SIGHUP, SIGQUIT: torchrun stopped its processes
+        return 128 + int(err.sigval)
+    return 0
 
 
 def _local_worker(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
@@ -249,22 +373,34 @@ def _allreduce_main(argv) -> int:
 
 
 def _train_main(argv) -> int:
+    """``groundup train`` as one of torchrun's processes. Started by :func:`launch`, it dies with torchrun, and
+    after a Ctrl-C (which :func:`launch` forwards) it exits with status 0 once the checkpoint is saved (the
+    launcher reports 130): torchrun would stop the other processes at the first non-zero status, process 0 in
+    the middle of saving, say."""
     import argparse
+    import signal
 
     from groundup import runs
 
+    launched = os.environ.get(TORCHRUN_ENV)
+    if launched and launched.isdigit():
+        _die_with_parent(int(launched), signal.SIGKILL)
     parser = argparse.ArgumentParser(prog="python -m groundup.distributed",
                                      description="groundup train, as one of the processes torchrun starts")
     runs.add_train_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["train", *argv])
     args.argv = ["train", *argv]
-    rank, _ = init_process_group()
+    try:
+        rank, _ = init_process_group()
+    except KeyboardInterrupt:
+        return 0 if launched else 130
     if rank != 0:  # one voice: the other processes print only errors
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- for the life of the process
     try:
-        return args.handler(args)
+        status = args.handler(args)
     finally:
         dist.destroy_process_group()
+    return 0 if status == 130 and launched else status
 
 
 def main(argv=None) -> int:
@@ -272,6 +408,8 @@ def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_torchrun"]:  # launch's wrapper around torchrun
+        return _torchrun_main(argv[1:])
     if argv[:1] == ["allreduce"]:
         return record(_allreduce_main)(argv[1:])
     return record(_train_main)(argv)

@@ -21,16 +21,21 @@ exact-match accuracy at the end; ``groundup sample`` translates a ``--prompt`` w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import math
+import os
+import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from groundup import flags
 from groundup.data import CORPORA, load_corpus, train_val_split
+from groundup.footprint import check_fits, meta_model, training_bytes
 from groundup.masking import BERT_RATE, masked_lm_batches
 from groundup.models import (
     ENCODER_DECODER_POSITIONALS,
@@ -73,20 +78,60 @@ DATES_TRAINING = dict(batch_size=64, max_steps=400, learning_rate=3e-3, warmup_s
                       optimizer="adamw", grad_clip=1.0, eval_interval=50, eval_batches=4)
 DATES_EXAMPLE = "the first of may, nineteen ninety"
 
+MAX_TEXT_BYTES = 100 * 10**6
+"""The largest --text file read (100 MB, 20 times the book's corpus): a character model's ids take 8 bytes per
+character and a Python list of them 8 more, so this bounds what reading a file can cost (--text /dev/zero stops
+here instead of filling the memory)."""
+POSITIVE = flags.integer(1)
 
-def _text_and_source(args) -> tuple[str, dict]:
+
+def _read_text(path: Path, flag: str = "--text") -> str:
+    """A UTF-8 text file of at most MAX_TEXT_BYTES, with errors that name ``flag`` and the file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEXT_BYTES + 1)  # a device (/dev/zero) or a pipe too: never more than the bound
+    except OSError as err:
+        raise ValueError(f"cannot read {flag} {path}: {err.strerror or err}") from None
+    if len(data) > MAX_TEXT_BYTES:
+        raise ValueError(f"{flag} {path} is larger than {MAX_TEXT_BYTES // 10**6} MB, the most groundup train reads "
+                         "(a character model of a larger text would need more memory than its ids are worth): give "
+                         "a part of it")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{flag} {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
+    if not text:
+        raise ValueError(f"{flag} {path} is empty: give a file with some text to train on")
+    return text
+
+
+def _text_and_source(args, out: Path | None = None) -> tuple[str, dict]:
+    """The training text and where it came from. A file is stored with its absolute path (a run resumes from any
+    folder) and its path relative to the run folder ``out`` (a run still resumes after the run folder and the text
+    moved together)."""
     if args.text:
-        path = Path(args.text).expanduser()
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"cannot read --text {path}: {err}") from None
+        path = Path(args.text).expanduser().absolute()
+        text = _read_text(path)
         source = {"text_file": str(path)}
+        if out is not None:
+            source["text_file_from_run"] = os.path.relpath(path, out.absolute())
     else:
         text = load_corpus(args.corpus)
         source = {"corpus": args.corpus}
     source["sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
     return text, source
+
+
+def _stored_text_file(source: dict, out: Path) -> str | None:
+    """The --text file a run was trained on: its stored path if it is there, else the path stored relative to the
+    run folder (both moved), else the stored path (whose error names it)."""
+    path = source.get("text_file")
+    if path is None or Path(path).is_file():
+        return path
+    relative = source.get("text_file_from_run")
+    if isinstance(relative, str) and (out / relative).is_file():
+        return str(out / relative)
+    return path
 
 
 def _recipe(key: str) -> str:
@@ -107,11 +152,14 @@ def add_train_parser(sub) -> None:
     p.add_argument("--objective", choices=("next", "masked"), default=None,
                    help="next: a GPT predicting the next token (default); masked: a masked language model "
                         "(chapter 9) filling in BERT-masked characters")
-    p.add_argument("--mask-rate", type=float, help=f"--objective masked: fraction of positions to predict "
+    p.add_argument("--mask-rate", type=flags.number(0, 1, low_open=True),
+                   help=f"--objective masked: fraction of positions to predict "
                    f"(default: {BERT_RATE}; of those 80 %% [MASK], 10 %% random, 10 %% unchanged)")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--corpus", choices=sorted(CORPORA), default="shakespeare", help="a named corpus")
-    source.add_argument("--text", metavar="FILE", help="train on this UTF-8 text file instead of a named corpus")
+    source.add_argument("--corpus", choices=sorted(CORPORA), default="shakespeare",
+                        help="a named corpus (default: shakespeare)")
+    source.add_argument("--text", metavar="FILE", help="train on this UTF-8 text file instead of a named corpus "
+                        f"(at most {MAX_TEXT_BYTES // 10**6} MB)")
     dates_defaults = ", ".join(f"{k} {v}" for k, v in {**DATES_MODEL, **DATES_TRAINING}.items())
     source.add_argument(
         "--task", choices=("dates",),
@@ -121,35 +169,38 @@ def add_train_parser(sub) -> None:
              f"DIR --prompt ...' translates. --layers sets the encoder's and the decoder's blocks each; --objective, "
              f"--mask-rate and --max-tokens do not apply. Defaults: the chapter's run, {dates_defaults}")
     m = p.add_argument_group("model (a GPTConfig; with --task dates an EncoderDecoderConfig)")
-    m.add_argument("--context", type=int, help="context length n_C" + _recipe("context_length"))
-    m.add_argument("--d-model", type=int, help="embedding size d_M" + _recipe("d_model"))
-    m.add_argument("--layers", type=int, help="number of blocks n_L" + _recipe("n_layers"))
-    m.add_argument("--heads", type=int, help="attention heads n_H" + _recipe("n_heads"))
+    m.add_argument("--context", type=POSITIVE, help="context length n_C" + _recipe("context_length"))
+    m.add_argument("--d-model", type=POSITIVE, help="embedding size d_M" + _recipe("d_model"))
+    m.add_argument("--layers", type=POSITIVE, help="number of blocks n_L" + _recipe("n_layers"))
+    m.add_argument("--heads", type=POSITIVE, help="attention heads n_H" + _recipe("n_heads"))
     m.add_argument("--positional", choices=POSITIONALS, help="positional encoding (chapter 4)" + _recipe("positional"))
-    m.add_argument("--dropout", type=float, help="dropout probability" + _recipe("dropout"))
+    m.add_argument("--dropout", type=flags.number(0, 1, high_open=True),
+                   help="dropout probability" + _recipe("dropout"))
     t = p.add_argument_group("training (a TrainConfig)")
-    t.add_argument("--batch-size", type=int, help="windows per step" + _recipe("batch_size"))
+    t.add_argument("--batch-size", type=POSITIVE, help="windows per step" + _recipe("batch_size"))
     budget = t.add_mutually_exclusive_group()
-    budget.add_argument("--max-steps", type=int, help="number of updates" + _recipe("max_steps"))
-    budget.add_argument("--max-tokens", type=int, help="at most this many training tokens (sets --max-steps to this "
-                        "// (batch x context), at least 1)")
-    budget.add_argument("--minutes", type=float, help="train for this many minutes: the cosine runs over the time, "
+    budget.add_argument("--max-steps", type=POSITIVE, help="number of updates" + _recipe("max_steps"))
+    budget.add_argument("--max-tokens", type=POSITIVE, help="at most this many training tokens (sets --max-steps to "
+                        "this // (batch x context), at least 1)")
+    budget.add_argument("--minutes", type=flags.number(0, low_open=True),
+                        help="train for this many minutes: the cosine runs over the time, "
                         "not the steps (not reproducible: it depends on the machine's speed)")
-    t.add_argument("--lr", type=float, help="peak learning rate" + _recipe("learning_rate"))
-    t.add_argument("--min-lr", type=float, help="final learning rate of the cosine (default: lr / 10)")
-    t.add_argument("--warmup", type=int, help="linear warm-up steps" + _recipe("warmup_steps"))
-    t.add_argument("--weight-decay", type=float, help="weight decay, matrices only" + _recipe("weight_decay"))
+    t.add_argument("--lr", type=flags.number(0, low_open=True), help="peak learning rate" + _recipe("learning_rate"))
+    t.add_argument("--min-lr", type=flags.number(0), help="final learning rate of the cosine (default: lr / 10)")
+    t.add_argument("--warmup", type=flags.integer(0), help="linear warm-up steps" + _recipe("warmup_steps"))
+    t.add_argument("--weight-decay", type=flags.number(0), help="weight decay, matrices only" + _recipe("weight_decay"))
     t.add_argument("--optimizer", choices=("adamw", "muon"), help="adamw, or muon: Muon for the blocks' weight "
                    "matrices and AdamW for the rest (chapter 7)" + _recipe("optimizer"))
-    t.add_argument("--grad-clip", type=float, help="clip the global gradient norm to this, 0: no clipping"
+    t.add_argument("--grad-clip", type=flags.number(0), help="clip the global gradient norm to this, 0: no clipping"
                    + _recipe("grad_clip"))
-    t.add_argument("--eval-interval", type=int, help="evaluate and checkpoint every this many steps"
+    t.add_argument("--eval-interval", type=POSITIVE, help="evaluate and checkpoint every this many steps"
                    + _recipe("eval_interval"))
-    t.add_argument("--eval-batches", type=int, help="validation batches per evaluation, 0: the whole validation "
-                   "set" + _recipe("eval_batches"))
-    t.add_argument("--seed", type=int, help="seed of the initialisation, dropout and batch order (default: 0)")
-    t.add_argument("--device", help="cpu, cuda, ... (default: cuda when available, else cpu)")
-    t.add_argument("--threads", type=int, help="CPU threads PyTorch may use (default: PyTorch's choice)")
+    t.add_argument("--eval-batches", type=flags.integer(0), help="validation batches per evaluation, 0: the whole "
+                   "validation set" + _recipe("eval_batches"))
+    t.add_argument("--seed", type=flags.seed, help="seed of the initialisation, dropout and batch order (default: 0)")
+    t.add_argument("--device", type=flags.device, help="cpu, cuda, cuda:N or mps (default: cuda when available, "
+                   "else cpu)")
+    t.add_argument("--threads", type=POSITIVE, help="CPU threads PyTorch may use (default: PyTorch's choice)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--nproc", type=int, help="train data-parallel in this many processes, started with torchrun "
                    "(chapter 11); a run may resume with another number (default: 1)")
@@ -171,10 +222,34 @@ def _masked_batches(model, rate: float):
     return masked_lm_batches(model.config.mask_token_id, model.config.vocab_size, rate=rate)
 
 
+# the configurations' field names and the flags that set them, for messages in the words the user typed
+_FLAG_OF_FIELD = {"context_length": "--context", "d_model": "--d-model", "n_layers": "--layers", "n_heads": "--heads",
+                  "positional": "--positional", "dropout": "--dropout", "batch_size": "--batch-size",
+                  "max_steps": "--max-steps", "learning_rate": "--lr", "min_lr": "--min-lr",
+                  "warmup_steps": "--warmup", "weight_decay": "--weight-decay", "grad_clip": "--grad-clip",
+                  "eval_interval": "--eval-interval", "eval_batches": "--eval-batches", "seed": "--seed",
+                  "time_budget": "--minutes (in seconds)", "optimizer": "--optimizer"}
+
+
+def _in_flags(message: str) -> str:
+    """``message`` with the configurations' field names replaced by the flags that set them."""
+    pattern = r"(?<![\w-])(" + "|".join(_FLAG_OF_FIELD) + r")(?!\w)"
+    return re.sub(pattern, lambda m: _FLAG_OF_FIELD[m.group(1)], message)
+
+
 def _configs_from_args(args, vocab_size: int | None = None, *, vocab_sizes: tuple[int, int] | None = None
                        ) -> tuple[GPTConfig | EncoderDecoderConfig, TrainConfig]:
     """The recipe, with every option the user gave in its place: a GPT's for ``vocab_size``, or with
-    ``vocab_sizes`` (source, target) the ``--task dates`` encoder-decoder's."""
+    ``vocab_sizes`` (source, target) the ``--task dates`` encoder-decoder's. A setting the configurations refuse
+    (--d-model not divisible by --heads, say) is a ``ValueError`` that names the flags."""
+    try:
+        return _build_configs(args, vocab_size, vocab_sizes)
+    except ValueError as err:
+        raise ValueError(_in_flags(str(err))) from None
+
+
+def _build_configs(args, vocab_size: int | None, vocab_sizes: tuple[int, int] | None
+                   ) -> tuple[GPTConfig | EncoderDecoderConfig, TrainConfig]:
     dates = vocab_sizes is not None
     recipe = {**DATES_MODEL, **DATES_TRAINING} if dates else {**RECIPE_MODEL, **RECIPE_TRAINING}
 
@@ -200,8 +275,6 @@ def _configs_from_args(args, vocab_size: int | None = None, *, vocab_sizes: tupl
     if args.minutes is not None:
         max_steps = 10**9  # the time budget ends the run
     if args.max_tokens is not None:
-        if args.max_tokens < 1:
-            raise ValueError(f"--max-tokens must be positive, got {args.max_tokens}")
         max_steps = max(1, args.max_tokens // (batch_size * model_config.context_length))  # never over the budget
     train_config = TrainConfig(
         batch_size=batch_size, max_steps=max_steps, learning_rate=pick("lr", "learning_rate"), min_lr=args.min_lr,
@@ -260,115 +333,224 @@ def _held_out_exact_match(model: EncoderDecoder, src_tok, tgt_tok, test_pairs) -
     return exact_match(predictions, [t for _, t in test_pairs])
 
 
+@dataclasses.dataclass
+class _Run:
+    """Everything a training session needs, made ready (and checked) before any training starts."""
+
+    model: torch.nn.Module
+    train_data: object
+    val_data: object
+    train_config: TrainConfig
+    extra: dict
+    batches: object = None
+    announce: str = ""
+    dates: tuple | None = None  # (src_tok, tgt_tok, test_pairs) of a --task dates run
+
+
+def _check_random_states(ckpt: dict, path: Path) -> None:
+    """Resuming restores the stored random states: refuse damaged ones with a message instead of a traceback."""
+    for key in ("torch_rng", "sampler_rng"):
+        try:
+            torch.Generator().set_state(ckpt.get(key))
+        except (RuntimeError, TypeError, ValueError) as err:
+            raise ValueError(f"{path} holds a damaged random state ({key}: {str(err).splitlines()[0]}): the run "
+                             "cannot continue exactly") from None
+
+
+def _resumed_run(args, out: Path) -> _Run:
+    """The run in ``out``, ready to continue with its stored settings."""
+    given = [f"--{k.replace('_', '-')}" for k in _MODEL_AND_TRAINING_FLAGS if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"--resume continues with the stored settings; do not give {', '.join(given)}")
+    model, ckpt = load_checkpoint(out / CHECKPOINT_NAME)
+    stored, extra = ckpt.get("train_config"), ckpt.get("extra", {})
+    if not isinstance(stored, dict) or not isinstance(extra, dict):
+        raise ValueError(f"{out / CHECKPOINT_NAME} holds no training settings to resume with")
+    _check_random_states(ckpt, out / CHECKPOINT_NAME)
+    dates, batches = None, None
+    if isinstance(model, EncoderDecoder):
+        if extra.get("task") != "dates":
+            raise ValueError(f"{out / CHECKPOINT_NAME} holds an encoder-decoder that was not trained by "
+                             "'groundup train --task dates': resume it from Python")
+        src_tok, tgt_tok, train_data, val_data, test_pairs = _dates_data()
+        if (src_tok, tgt_tok) != _load_dates_tokenizers(out, model):
+            raise ValueError("the dates task's vocabularies changed since the run started; resume needs the "
+                             "same package version")
+        batches, dates = seq2seq_batches, (src_tok, tgt_tok, test_pairs)
+    else:
+        source = extra.get("source", {})
+        if not isinstance(source, dict):
+            raise ValueError(f"{out / CHECKPOINT_NAME} holds no training settings to resume with")
+        args.corpus, args.text = source.get("corpus", "shakespeare"), _stored_text_file(source, out)
+        try:
+            text, now = _text_and_source(args)
+        except ValueError as err:
+            raise ValueError(f"{err} (the run in {out} was trained on it; resuming needs it)") from None
+        if now["sha256"] != source.get("sha256"):
+            raise ValueError("the training text changed since the run started; resume needs the same text")
+        tokenizer = CharTokenizer.load(out / TOKENIZER_NAME)
+        batches = _masked_batches(model, extra.get("mask_rate", BERT_RATE))
+        train_data, val_data = train_val_split(torch.tensor(tokenizer.encode(text), dtype=torch.long), 0.1)
+    train_config = TrainConfig(**{**stored, "resume": True, "out_dir": str(out),
+                                  "progress": not args.no_progress, "device": args.device})
+    return _Run(model, train_data, val_data, train_config, extra, batches, dates=dates,
+                announce=f"resuming {out} at step {ckpt['step']} of {train_config.max_steps}")
+
+
+def _steps(config: TrainConfig) -> str:
+    """How long a run lasts, as the user asked: a number of steps, or --minutes."""
+    if config.time_budget is not None:
+        return f"{config.time_budget / 60:g} minutes (--minutes)"
+    return f"{config.max_steps} steps"
+
+
+def _new_dates_run(args, out: Path) -> _Run:
+    """A new --task dates run: chapter 10's encoder-decoder on the dates task."""
+    _check_dates_options(args)
+    src_tok, tgt_tok, train_data, val_data, test_pairs = _dates_data()
+    model_config, train_config = _configs_from_args(args, vocab_sizes=(src_tok.vocab_size, tgt_tok.vocab_size))
+    longest = max(max(map(len, data.src + data.tgt)) for data in (train_data, val_data)) + 1
+    if model_config.context_length < longest:
+        raise ValueError(f"--context {model_config.context_length} is too short for --task dates: its "
+                         f"sources and decoder inputs have up to {longest} tokens")
+    _check_training_size(args, EncoderDecoder, model_config, train_config)
+    torch.manual_seed(train_config.seed)
+    model = EncoderDecoder(model_config)
+    out.mkdir(parents=True, exist_ok=True)
+    src_tok.save(out / SOURCE_TOKENIZER_NAME)
+    tgt_tok.save(out / TARGET_TOKENIZER_NAME)
+    n_params = sum(p.numel() for p in model.parameters())
+    announce = (f"training a {n_params / 1e3:.0f} k-parameter encoder-decoder on the dates task ({len(train_data):,} "
+                f"training and {len(val_data)} validation examples; {len(test_pairs):,} held-out test dates) for "
+                f"{_steps(train_config)} of {train_config.batch_size} examples; run folder {out}")
+    return _Run(model, train_data, val_data, train_config, {"task": "dates"}, seq2seq_batches, announce,
+                dates=(src_tok, tgt_tok, test_pairs))
+
+
+def _new_text_run(args, out: Path) -> _Run:
+    """A new language-model run (a GPT, or with --objective masked a masked LM) on a corpus or a --text file."""
+    masked = args.objective == "masked"
+    if args.mask_rate is not None and not masked:
+        raise ValueError("--mask-rate is for masked language models: add --objective masked")
+    mask_rate = BERT_RATE if args.mask_rate is None else args.mask_rate
+    text, source = _text_and_source(args, out)
+    tokenizer = CharTokenizer.from_text(text)
+    # a masked LM's vocabulary is the tokenizer's characters plus [MASK], the last id
+    model_config, train_config = _configs_from_args(args, tokenizer.vocab_size + masked)
+    cls = MaskedLM if masked else GPT
+    if masked:
+        model_config = MaskedLMConfig(**dataclasses.asdict(model_config))
+        masked_lm_batches(tokenizer.vocab_size, tokenizer.vocab_size + 1, rate=mask_rate)  # checks the rate
+    _check_training_size(args, cls, model_config, train_config)
+    train_data, val_data = train_val_split(torch.tensor(tokenizer.encode(text), dtype=torch.long), 0.1)
+    if args.objective != "masked" and len(val_data) <= model_config.context_length:
+        where = f"--text {args.text}" if args.text else f"--corpus {args.corpus}"
+        raise ValueError(f"{where} has {len(text):,} characters: too few for --context "
+                         f"{model_config.context_length}, since the validation tenth needs more than one window; give "
+                         f"a longer text or at most --context {max(len(val_data) - 1, 1)}")
+    torch.manual_seed(train_config.seed)
+    model = cls(model_config)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(out / TOKENIZER_NAME)
+    n_params = sum(p.numel() for p in model.parameters())
+    what = "masked language model (BERT masking)" if masked else "GPT"
+    announce = (f"training a {n_params / 1e6:.2f} M-parameter {what} on {len(text):,} characters "
+                f"({tokenizer.vocab_size} distinct) for {_steps(train_config)} of {train_config.batch_size} x "
+                f"{model_config.context_length} tokens; run folder {out}")
+    return _Run(model, train_data, val_data, train_config, {"source": source, "mask_rate": mask_rate},
+                _masked_batches(model, mask_rate), announce)
+
+
+_SIZE_FLAGS = ("d_model", "layers", "context", "heads", "batch_size", "positional")
+
+
+def _check_training_size(args, cls, model_config, train_config) -> None:
+    """Refuse a model too large to train here before it is built (see groundup.footprint), naming the flags."""
+    shape = meta_model(cls, model_config)
+    needed = training_bytes(shape, train_config.batch_size, model_config.context_length)
+    nproc = getattr(args, "nproc", None) or 1
+    cpu = train_config.device is None and not torch.cuda.is_available() or \
+        train_config.device is not None and torch.device(train_config.device).type == "cpu"
+    copies = nproc if cpu else 1  # every process holds a copy; on GPUs each its own GPU
+    given = " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in _SIZE_FLAGS
+                     if getattr(args, k, None) is not None)
+    n_params = sum(p.numel() for p in shape.parameters())
+    what = (f"training this model ({n_params:,} parameters{'; ' + given if given else ''}"
+            f"{f'; {nproc} processes' if copies > 1 else ''})")
+    advice = "choose smaller values" if given else "choose a smaller --d-model, --layers, --context or --batch-size"
+    check_fits(needed["total"] * copies, what, device=None if cpu else train_config.device, advice=advice)
+
+
+def _prepare(args, out: Path) -> _Run:
+    """The run to train in ``out``: resumed, or new (after checking that ``out`` holds none)."""
+    if args.resume:
+        return _resumed_run(args, out)
+    if (out / CHECKPOINT_NAME).exists():
+        raise ValueError(f"{out / CHECKPOINT_NAME} exists: add --resume to continue it, or choose another --out")
+    return _new_dates_run(args, out) if args.task == "dates" else _new_text_run(args, out)
+
+
+def _interrupted(stop: KeyboardInterrupt, out: Path) -> str:
+    """What to say after Ctrl-C: where the run stands and how to continue it."""
+    said = str(stop) or "interrupted"
+    if (out / CHECKPOINT_NAME).is_file():
+        return f"{said}; continue with: groundup train --out {out} --resume"
+    return f"{said} before the first checkpoint: nothing to resume"
+
+
+def _remove_if_unused(out: Path, created: bool) -> None:
+    """Remove the run folder this command created if it holds nothing but its lock (a run that never started)."""
+    if created and out.is_dir() and {p.name for p in out.iterdir()} <= {LOCK_NAME}:
+        (out / LOCK_NAME).unlink(missing_ok=True)
+        out.rmdir()
+
+
 def train_command(args) -> int:
     out = Path(args.out).expanduser()
     args.out = str(out)
     if args.threads:
         torch.set_num_threads(args.threads)
-    launched = _launch_if_parallel(args)  # --nproc N: run this command in N processes (chapter 11)
-    if launched is not None:
-        return launched
-    batches, test_pairs = None, None
+    problem = _parallel_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    from groundup.distributed import rank_and_world
+
+    distributed = _parallel_options(args)["distributed"]
+    rank = rank_and_world()[0]
+    created = not out.exists()
     try:
-        if args.resume:
-            given = [f"--{k.replace('_', '-')}" for k in _MODEL_AND_TRAINING_FLAGS if getattr(args, k) is not None]
-            if given:
-                raise ValueError(f"--resume continues with the stored settings; do not give {', '.join(given)}")
-            model, ckpt = load_checkpoint(out / CHECKPOINT_NAME)
-            stored, extra = ckpt.get("train_config"), ckpt.get("extra", {})
-            if not isinstance(stored, dict) or not isinstance(extra, dict):
-                raise ValueError(f"{out / CHECKPOINT_NAME} holds no training settings to resume with")
-            if isinstance(model, EncoderDecoder):
-                if extra.get("task") != "dates":
-                    raise ValueError(f"{out / CHECKPOINT_NAME} holds an encoder-decoder that was not trained by "
-                                     "'groundup train --task dates': resume it from Python")
-                src_tok, tgt_tok, train_data, val_data, test_pairs = _dates_data()
-                if (src_tok, tgt_tok) != _load_dates_tokenizers(out, model):
-                    raise ValueError("the dates task's vocabularies changed since the run started; resume needs the "
-                                     "same package version")
-                batches = seq2seq_batches
-            else:
-                source = extra.get("source", {})
-                if not isinstance(source, dict):
-                    raise ValueError(f"{out / CHECKPOINT_NAME} holds no training settings to resume with")
-                args.corpus, args.text = source.get("corpus", "shakespeare"), source.get("text_file")
-                text, now = _text_and_source(args)
-                if now["sha256"] != source.get("sha256"):
-                    raise ValueError("the training text changed since the run started; resume needs the same text")
-                tokenizer = CharTokenizer.load(out / TOKENIZER_NAME)
-                mask_rate = extra.get("mask_rate", BERT_RATE)
-                batches = _masked_batches(model, mask_rate)
-                train_data, val_data = train_val_split(torch.tensor(tokenizer.encode(text), dtype=torch.long), 0.1)
-            train_config = TrainConfig(**{**stored, "resume": True, "out_dir": str(out),
-                                          "progress": not args.no_progress, "device": args.device})
-            print(f"resuming {out} at step {ckpt['step']} of {train_config.max_steps}", flush=True)
-        else:
-            if (out / CHECKPOINT_NAME).exists():
-                raise ValueError(f"{out / CHECKPOINT_NAME} exists: add --resume to continue it, "
-                                 "or choose another --out")
-            if args.task == "dates":
-                _check_dates_options(args)
-                src_tok, tgt_tok, train_data, val_data, test_pairs = _dates_data()
-                model_config, train_config = _configs_from_args(args, vocab_sizes=(src_tok.vocab_size,
-                                                                                  tgt_tok.vocab_size))
-                longest = max(max(map(len, data.src + data.tgt)) for data in (train_data, val_data)) + 1
-                if model_config.context_length < longest:
-                    raise ValueError(f"--context {model_config.context_length} is too short for --task dates: its "
-                                     f"sources and decoder inputs have up to {longest} tokens")
-                torch.manual_seed(train_config.seed)
-                model = EncoderDecoder(model_config)
-                out.mkdir(parents=True, exist_ok=True)
-                src_tok.save(out / SOURCE_TOKENIZER_NAME)
-                tgt_tok.save(out / TARGET_TOKENIZER_NAME)
-                extra, batches = {"task": "dates"}, seq2seq_batches
-                n_params = sum(p.numel() for p in model.parameters())
-                print(f"training a {n_params / 1e3:.0f} k-parameter encoder-decoder on the dates task "
-                      f"({len(train_data):,} training and {len(val_data)} validation examples; {len(test_pairs):,} "
-                      f"held-out test dates) for {train_config.max_steps} steps of {train_config.batch_size} "
-                      f"examples; run folder {out}", flush=True)
-            else:
-                masked = args.objective == "masked"
-                if args.mask_rate is not None and not masked:
-                    raise ValueError("--mask-rate is for masked language models: add --objective masked")
-                mask_rate = BERT_RATE if args.mask_rate is None else args.mask_rate
-                text, source = _text_and_source(args)
-                tokenizer = CharTokenizer.from_text(text)
-                # a masked LM's vocabulary is the tokenizer's characters plus [MASK], the last id
-                model_config, train_config = _configs_from_args(args, tokenizer.vocab_size + masked)
-                torch.manual_seed(train_config.seed)
-                if masked:
-                    masked_lm_batches(tokenizer.vocab_size, tokenizer.vocab_size + 1, rate=mask_rate)  # checks the rate
-                    model = MaskedLM(MaskedLMConfig(**dataclasses.asdict(model_config)))
-                else:
-                    model = GPT(model_config)
-                out.mkdir(parents=True, exist_ok=True)
-                tokenizer.save(out / TOKENIZER_NAME)
-                n_params = sum(p.numel() for p in model.parameters())
-                what = "masked language model (BERT masking)" if masked else "GPT"
-                print(f"training a {n_params / 1e6:.2f} M-parameter {what} on {len(text):,} characters "
-                      f"({tokenizer.vocab_size} distinct) for {train_config.max_steps} steps of "
-                      f"{train_config.batch_size} x {model_config.context_length} tokens; run folder {out}",
-                      flush=True)
-                extra, batches = {"source": source, "mask_rate": mask_rate}, _masked_batches(model, mask_rate)
-                train_data, val_data = train_val_split(torch.tensor(tokenizer.encode(text), dtype=torch.long), 0.1)
-        started = time.perf_counter()
-        history = train(model, train_data, val_data, train_config, extra=extra, batches=batches,
-                        **_parallel_options(args))
-        accuracy = None if test_pairs is None else _held_out_exact_match(model, src_tok, tgt_tok, test_pairs)
+        with _run_lock(out, distributed, rank):
+            run = _prepare(args, out)
+            _check_split(args, run.train_config)
+            if not distributed and (args.nproc or 1) > 1:  # --nproc N: this command in N processes (chapter 11)
+                del run
+                return _launch(args, out)
+            print(run.announce, flush=True)
+            started = time.perf_counter()
+            history = train(run.model, run.train_data, run.val_data, run.train_config, extra=run.extra,
+                            batches=run.batches, **_parallel_options(args))
+            accuracy = None if run.dates is None else _held_out_exact_match(run.model, *run.dates)
     except KeyboardInterrupt as stop:
-        print(f"\n{stop or 'interrupted'}; continue with: groundup train --out {out} --resume", file=sys.stderr)
+        if rank == 0:
+            print(f"\n{_interrupted(stop, out)}", file=sys.stderr)
+        _remove_if_unused(out, created)
         return 130
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, TypeError, OSError) as err:
+        print(f"error: {_describe_error(err)}", file=sys.stderr)
+        _remove_if_unused(out, created)
         return 1
     minutes = (time.perf_counter() - started) / 60
     val = history.val_loss[-1]
+    train_config = run.train_config
     if accuracy is not None:
+        test_pairs = run.dates[2]
         print(f"done: step {history.step[-1]}, validation loss {val:.4f} nats per target token, "
               f"{history.step[-1] * train_config.batch_size:,} training examples drawn, {minutes:.1f} minutes this "
               f"session; held-out exact match {accuracy:.1%} of {len(test_pairs):,} test dates (greedy decoding); "
               f"translate with: groundup sample {out} --prompt \"{DATES_EXAMPLE}\"")
         return 0
+    model = run.model
     then = (f"sample with: groundup sample {out}" if not isinstance(model, MaskedLM) else
             f"a masked language model (not a generator): load it with groundup.training.load_checkpoint('{out}')")
     where = "at masked positions " if isinstance(model, MaskedLM) else ""
@@ -377,39 +559,108 @@ def train_command(args) -> int:
     return 0
 
 
+def _describe_error(err: Exception) -> str:
+    """An error in one line; an OSError names its file (a full disk: which file could not be written)."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+    return str(err)
+
+
+# ---- the run folder's lock: one run writes a folder at a time -------------------------------------------------
+
+LOCK_NAME = ".lock"
+"""The lock file inside a run folder; ``groundup train`` holds an exclusive ``flock`` on it while it runs."""
+LOCKED_ENV = "GROUNDUP_RUN_LOCKED"
+"""Set by ``groundup train --nproc N`` for its processes: the folder whose lock the launching process holds."""
+
+
+@contextlib.contextmanager
+def _run_lock(out: Path, distributed: bool, rank: int):
+    """Hold the exclusive lock of run folder ``out`` (creating the folder) for the duration of the block.
+
+    Two runs writing one folder would interleave their checkpoints; the second gets a ``ValueError`` naming the
+    folder. The lock is an advisory ``fcntl.flock`` on ``out/.lock``, released when this process ends however it
+    ends (even by SIGKILL); a stale lock file without a holder locks nothing. Inside ``groundup train --nproc N``
+    the launching process holds it for its processes; under a bare ``torchrun``, process 0 takes it. Where
+    ``fcntl`` does not exist (Windows) nothing is locked.
+    """
+    if distributed and (rank != 0 or os.environ.get(LOCKED_ENV) == str(out.absolute())):
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / LOCK_NAME, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip()
+            raise ValueError(f"{out} is in use by another groundup train{f' (process {holder})' if holder else ''}: "
+                             "wait for it to end, or choose another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def _parallel_options(args) -> dict:
     """train's data-parallel options (chapter 11): distributed inside torchrun's processes, --accumulate."""
     return {"distributed": torch.distributed.is_available() and torch.distributed.is_initialized(),
             "accumulate": getattr(args, "accumulate", None) or 1}
 
 
-def _launch_if_parallel(args) -> int | None:
-    """With ``--nproc N > 1`` outside a process group: run this command in N processes with torchrun and return
-    their exit status. Inside torchrun's processes, or with one process: None (train here)."""
-    from groundup.distributed import launch, rank_and_world
+def _parallel_problem(args) -> str | None:
+    """What is wrong with ``--nproc`` / ``--accumulate`` here, or None."""
+    from groundup.distributed import rank_and_world
 
     nproc = getattr(args, "nproc", None)
     for flag, value in (("--nproc", nproc), ("--accumulate", getattr(args, "accumulate", None))):
         if value is not None and value < 1:
-            print(f"error: {flag} must be a positive integer, got {value}", file=sys.stderr)
-            return 1
+            return f"{flag} must be a positive integer, got {value}"
     if _parallel_options(args)["distributed"]:
         world = rank_and_world()[1]
         if nproc is not None and nproc != world:
-            print(f"error: --nproc {nproc}, but torchrun started {world} processes", file=sys.stderr)
-            return 1
-        return None
-    if nproc is None or nproc == 1:
-        return None
-    argv = list(getattr(args, "argv", None) or [])
-    if "train" not in argv:
-        print("error: --nproc needs the command line it was given (run groundup train from a shell)", file=sys.stderr)
-        return 1
+            return f"--nproc {nproc}, but torchrun started {world} processes"
+    elif (nproc or 1) > 1:
+        if "train" not in (getattr(args, "argv", None) or []):
+            return "--nproc needs the command line it was given (run groundup train from a shell)"
+        if getattr(args, "minutes", None) is not None:
+            return (f"--minutes cannot be used with --nproc {nproc}: the processes' clocks would disagree about the "
+                    "schedule and the end; give --max-steps or --max-tokens")
+    return None
+
+
+def _check_split(args, config: TrainConfig) -> None:
+    """The batch must cut into equal micro-batches: processes x accumulation steps must divide it."""
+    from groundup.distributed import rank_and_world
+
+    world = rank_and_world()[1] if _parallel_options(args)["distributed"] else getattr(args, "nproc", None) or 1
+    accumulate = getattr(args, "accumulate", None) or 1
+    if config.batch_size % (world * accumulate):
+        raise ValueError(f"the batch of {config.batch_size} windows (--batch-size) must be divisible by --nproc x "
+                         f"--accumulate = {world} x {accumulate}: every micro-batch holds the same number of rows")
+
+
+def _launch(args, out: Path) -> int:
+    """Run this command in ``--nproc`` processes started by torchrun, which this process waits for while it holds
+    the run folder's lock for them; their exit status (130 after Ctrl-C, forwarded to them: see
+    :func:`groundup.distributed.launch`)."""
+    from groundup.distributed import launch
+
+    argv = list(args.argv)
     argv = argv[argv.index("train") + 1:]
     # the processes need no --nproc (torchrun's own parser would even take it for its --nproc-per-node)
     keep = [a for i, a in enumerate(argv) if not (a == "--nproc" or a.startswith("--nproc=")
                                                   or (i > 0 and argv[i - 1] == "--nproc"))]
-    return launch(nproc, keep)
+    return launch(args.nproc, keep, env={LOCKED_ENV: str(out.absolute())})
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -434,14 +685,20 @@ def add_sample_parser(sub) -> None:
                         "model.safetensors; --tokens then counts GPT-2 tokens (default: 100)")
     p.add_argument("--prompt", help="the text to continue (default: a newline); with a --task dates run, the date "
                                     f"in words to translate, e.g. \"{DATES_EXAMPLE}\"")
-    p.add_argument("--tokens", type=int, help="how many new tokens (characters) to generate (default: 500)")
-    p.add_argument("--temperature", type=float, help="divide the logits by this, > 0 (default: 0.8)")
-    p.add_argument("--top-k", type=int, help="sample only from the k most probable tokens")
-    p.add_argument("--top-p", type=float, help="sample only from the smallest set of tokens with probability >= p")
+    p.add_argument("--tokens", type=flags.integer(0),
+                   help="how many new tokens (characters) to generate (default: 500)")
+    p.add_argument("--temperature", type=flags.number(
+        flags.MIN_TEMPERATURE, what=f"a number >= {flags.MIN_TEMPERATURE:g}",
+        hint="for the most probable token at every step use --greedy"),
+        help=f"divide the logits by this, >= {flags.MIN_TEMPERATURE:g} (default: 0.8)")
+    p.add_argument("--top-k", type=POSITIVE, help="sample only from the k most probable tokens")
+    p.add_argument("--top-p", type=flags.number(0, 1, low_open=True),
+                   help="sample only from the smallest set of tokens with probability >= p, 0 < p <= 1")
     p.add_argument("--greedy", action="store_true", help="always take the most probable token (no sampling)")
     p.add_argument("--no-cache", action="store_true", help="recompute every position at every step (no KV cache)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available, else cpu)")
+    p.add_argument("--seed", type=flags.seed, default=0, help="seed of the sampling")
+    p.add_argument("--device", type=flags.device, help="cpu, cuda, cuda:N or mps (default: cuda when available, "
+                   "else cpu)")
     p.set_defaults(handler=sample_command)
 
 
@@ -465,12 +722,10 @@ def _sample_ids(model, ids: list[int], n_new: int, args, device) -> list[int]:
 
 
 def _print_sample(text: str) -> int:
-    """Print ``text`` and return the exit status 0; piped into a reader that closed early (``| head``), stop quietly."""
-    try:
-        print(text)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        sys.stderr.close()
+    """Print ``text`` and return the exit status 0. Piped into a reader that closed early (``| head``), the
+    ``BrokenPipeError`` goes up to :func:`groundup.cli.main`, which ends quietly with status 141."""
+    print(text)
+    sys.stdout.flush()
     return 0
 
 
@@ -541,9 +796,12 @@ def sample_command(args) -> int:
             if tokenizer.vocab_size != model.config.vocab_size:
                 raise ValueError(f"{folder / TOKENIZER_NAME} has {tokenizer.vocab_size} tokens but the model "
                                  f"{model.config.vocab_size}: the folder mixes two runs")
-            ids = tokenizer.encode("\n" if args.prompt is None else args.prompt)
+            ids = tokenizer.encode(args.prompt or "\n")  # no prompt, or --prompt "": start from a newline
             text = tokenizer.decode(_sample_ids(model, ids, 500 if args.tokens is None else args.tokens, args, device))
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     return _print_sample(text)

@@ -75,7 +75,8 @@ def atomic_write_bytes(path, data: bytes) -> None:
 
     The bytes go to a temporary file in the same folder, are flushed to disk (fsync), and the file is then
     renamed over ``path`` (atomic on POSIX and Windows); the folder is fsynced so the rename survives a power cut.
-    A failure removes the temporary file and leaves any previous ``path`` untouched. The new file gets the
+    A failure removes the temporary file and leaves any previous ``path`` untouched; an ``OSError`` that names no
+    file (``write`` on a full disk) is raised again naming ``path``. The new file gets the
     permissions of the file it replaces, or those a new file gets by default (not the 0600 of a temporary file).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -89,8 +90,10 @@ def atomic_write_bytes(path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno is not None and err.filename is None:  # a full disk: name the file
+            raise OSError(err.errno, err.strerror, str(path)) from err
         raise
     fsync_folder(path.parent)
 
