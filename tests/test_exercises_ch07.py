@@ -137,3 +137,16 @@ def test_adamw_wrong_return_type(capsys):
 def _unwrapped_verdicts(monkeypatch):
     """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
     monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)
+
+
+def test_calling_the_packages_schedule_is_refused(capsys):
+    from groundup.training import TrainConfig, lr_at
+
+    def calls_lr_at(step, max_steps, warmup_steps, lr_max, lr_min):
+        config = TrainConfig(max_steps=max_steps, warmup_steps=warmup_steps, learning_rate=lr_max, min_lr=lr_min)
+        return lr_at(step, config)
+
+    assert not check_lr_schedule(calls_lr_at)
+    out = capsys.readouterr().out
+    assert "calls groundup.training.lr_at" in out and "compute it yourself" in out, out
+    assert check_lr_schedule.__doc__.count("(7.6)") == 1, "the schedule is equation (7.6); (7.7) is the clipping"

@@ -46,7 +46,8 @@ def loss_divided_by_all_positions(logits, targets):
 
 
 def loss_sum(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+    keep = targets != -100
+    return F.cross_entropy(logits[keep], targets[keep], reduction="sum").item()
 
 
 def loss_in_place(logits, targets):
@@ -86,7 +87,33 @@ def test_reference_solutions_pass():
     assert check_masked_loss(masked_loss)
     assert check_apply_masking(apply_masking)
     assert check_masked_accuracy(masked_accuracy)
-    assert check_masked_loss(lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), ignore_index=-100))
+
+
+def test_cross_entropy_on_the_selected_positions_passes_and_ignore_index_is_refused(capsys):
+    def selected_only(logits, targets):
+        keep = targets != -100
+        return F.cross_entropy(logits[keep], targets[keep])
+
+    assert check_masked_loss(selected_only), capsys.readouterr().out
+    capsys.readouterr()
+    for leaves_it_to_ignore_index in (
+            lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten(), ignore_index=-100),
+            lambda lg, t: F.cross_entropy(lg.flatten(0, 1), t.flatten()),  # -100 is the default
+            lambda lg, t: torch.nn.CrossEntropyLoss()(lg.transpose(1, 2), t),
+            lambda lg, t: F.nll_loss(lg.log_softmax(-1).flatten(0, 1), t.flatten())):
+        assert not check_masked_loss(leaves_it_to_ignore_index)
+        out = capsys.readouterr().out
+        assert "skips the -100 targets by ignore_index" in out and "without ignore_index" in out, out
+
+
+def test_the_packages_masking_is_refused(capsys):
+    from groundup.masking import apply_masking as package
+
+    def calls_the_package(ids, plan, mask_id, random_ids):
+        return package(ids, plan, mask_token_id=mask_id, vocab_size=11), None
+
+    assert not check_apply_masking(calls_the_package)
+    assert "calls groundup.masking.apply_masking" in capsys.readouterr().out
 
 
 def test_the_stub_is_not_attempted_yet(capsys):

@@ -113,6 +113,17 @@ def test_the_stub_gets_a_friendly_reminder(checker, capsys):
     assert "not attempted yet" in out and "Traceback" not in out
 
 
+def test_the_packages_collate_is_refused(capsys):
+    from groundup.seq2seq import collate
+
+    def calls_collate(targets, pad_id, start_id, end_id):
+        return collate([[1]] * len(targets), targets, pad_id=pad_id, start_id=start_id, end_id=end_id)[1:]
+
+    assert not check_decoder_inputs(calls_collate)
+    out = capsys.readouterr().out
+    assert "calls groundup.seq2seq.collate" in out and "compute it yourself" in out, out
+
+
 def test_the_package_mask_passes_too():
     from groundup.attention import causal_mask
 

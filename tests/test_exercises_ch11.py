@@ -115,3 +115,34 @@ def test_zero_returning_a_string_is_refused(capsys):
 def _unwrapped_verdicts(monkeypatch):
     """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
     monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)
+
+
+def test_a_sum_computed_in_one_place_with_the_byte_formula_is_not_a_ring(capsys):
+    def no_ring(tensors):
+        p, n = len(tensors), tensors[0].numel()
+        return [sum(tensors)] * p, [2 * (p - 1) * n // p] * p
+
+    def stacked(tensors):
+        p, n = len(tensors), tensors[0].numel()
+        return [torch.stack(tensors).sum(0) for _ in range(p)], [2 * (p - 1) * n // p] * p
+
+    for cheat in (no_ring, stacked):
+        ok, out = verdict(check_ring_allreduce, cheat, capsys)
+        assert not ok and "every chunk was added up in the same order" in out, out
+        assert "different orders" in out
+
+
+def test_a_ring_turning_the_other_way_passes_too(capsys):
+    def left_ring(tensors):
+        flipped = ring_solution(tensors[::-1])  # process r sends to r - 1
+        return flipped[0][::-1], flipped[1][::-1]
+
+    ok, out = verdict(check_ring_allreduce, left_ring, capsys)
+    assert ok, out
+
+
+def test_calling_training_memory_is_refused(capsys):
+    from groundup.distributed import training_memory
+
+    ok, out = verdict(check_zero_memory, lambda n, g, s: training_memory(n, g, s)["total"], capsys)
+    assert not ok and "calls groundup.distributed.training_memory" in out, out

@@ -126,7 +126,14 @@ def test_inverse_permutation_is_rejected(capsys):
         return inv
 
     ok, out = verdict(check_rotary_permutation, inverse, capsys)
-    assert not ok and "position 2i must take i" in out, out
+    assert not ok and "(8) = [0, 2, 4, 6, 1, 3, 5, 7]" in out and "positions 0 and 1 of x[perm] together" in out, out
+    assert "Which two dimensions does rotate-half pair at frequency 0?" in out
+    assert "must take" not in out, "the hint does not give the answer away"
+
+
+def test_a_swapped_pair_is_named(capsys):
+    ok, out = verdict(check_rotary_permutation, lambda d: [1, 0] if d == 2 else permutation_solution(d), capsys)
+    assert not ok and "Positions 0 and 1 hold the right pair of dimensions in the wrong order" in out, out
 
 
 def test_non_permutation_is_rejected(capsys):
@@ -236,3 +243,11 @@ def test_gguf_bytes_with_full_size_key_value_heads_is_named(capsys):
 def _unwrapped_verdicts(monkeypatch):
     """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
     monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)
+
+
+def test_the_checkers_own_count_is_refused(capsys):
+    from groundup.exercises.ch12 import gpt2_parameters
+
+    ok, out = verdict(check_gpt2_parameter_count, gpt2_parameters, capsys)
+    assert not ok and "calls groundup.exercises.ch12.gpt2_parameters" in out, out
+    assert gpt2_parameters(12, 768, 50257, 1024) == 124_439_808, "the function works again afterwards"

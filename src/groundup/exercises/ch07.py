@@ -61,8 +61,8 @@ def _schedule_hint(fn, c: dict) -> str:
         if warm == 0 and "warm-up" in hint:
             continue
         try:
-            if all(math.isclose(_float(fn(s, total, warm, peak, low), "my_lr"), wrong(s), rel_tol=1e-6, abs_tol=1e-12)
-                   for s in steps):
+            if all(math.isclose(_float(call_reader(fn, s, total, warm, peak, low, call="my_lr"), "my_lr"), wrong(s),
+                                rel_tol=1e-6, abs_tol=1e-12) for s in steps):
                 return hint
         except Exception:  # noqa: BLE001 -- hint search only; the main check reports the crash
             return ""
@@ -70,7 +70,7 @@ def _schedule_hint(fn, c: dict) -> str:
 
 
 def check_lr_schedule(fn: Callable) -> Verdict:
-    """Exercise 7.1: ``fn(step, max_steps, warmup_steps, lr_max, lr_min)`` is equation (7.7)'s learning rate."""
+    """Exercise 7.1: ``fn(step, max_steps, warmup_steps, lr_max, lr_min)`` is equation (7.6)'s learning rate."""
 
     def checks():
         for c in _SCHEDULES:
@@ -81,7 +81,7 @@ def check_lr_schedule(fn: Callable) -> Verdict:
             for s in steps:
                 call = f"my_lr({s}, {c['max_steps']}, {c['warmup_steps']}, {c['learning_rate']}, {c['min_lr']})"
                 got = _float(call_reader(fn, s, c["max_steps"], c["warmup_steps"], c["learning_rate"], c["min_lr"],
-                                         call=call), call)
+                                         call=call, forbid=(lr_at,)), call)
                 if not math.isclose(got, expected[s], rel_tol=1e-6, abs_tol=1e-12):
                     hint = _schedule_hint(fn, c) or ("Warm up linearly with (step + 1) / warmup_steps, then follow "
                                                      "lr_min + (lr_max - lr_min) (1 + cos(π p)) / 2 with p running "

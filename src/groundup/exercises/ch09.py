@@ -12,7 +12,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from groundup.exercises.checking import Verdict, call_reader, expect, expect_close, expect_number, run_checks
+from groundup import masking
+from groundup.exercises.checking import (
+    Forbidden,
+    Verdict,
+    call_reader,
+    expect,
+    expect_close,
+    expect_number,
+    run_checks,
+)
 from groundup.masking import MASKED, RANDOM, masking_plan
 
 __all__ = ["check_masked_loss", "check_apply_masking", "check_masked_accuracy"]
@@ -33,6 +42,22 @@ def _loss_cases():
 # ---- Exercise 9.1 ------------------------------------------------------------------------------------------
 
 
+def _leaves_positions_to_ignore_index(args: tuple, kwargs: dict) -> bool:
+    """Whether a call of torch's cross-entropy / NLL kernel (input, target, weight, reduction, ignore_index, ...)
+    has targets equal to ignore_index, i.e. leaves the selection of the positions to it."""
+    target = args[1] if len(args) > 1 else kwargs.get("target")
+    ignore_index = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+    return isinstance(target, torch.Tensor) and bool((target == ignore_index).any())
+
+
+_IGNORE_INDEX_HINT = ("The exercise asks you to select the positions yourself, without ignore_index: build the "
+                      "boolean mask targets != -100 and average -log P(target) over those positions only.")
+_IGNORE_INDEX = tuple(Forbidden(torch._C._nn, name, when=_leaves_positions_to_ignore_index,
+                                label="a cross-entropy that skips the -100 targets by ignore_index",
+                                hint=_IGNORE_INDEX_HINT)
+                      for name in ("cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"))
+
+
 def check_masked_loss(fn: Callable) -> Verdict:
     """Exercise 9.1: ``fn(logits, targets)`` is the mean cross-entropy over the positions whose target is not -100."""
 
@@ -42,9 +67,10 @@ def check_masked_loss(fn: Callable) -> Verdict:
         for (logits, targets), want in zip(cases, expected):
             call = f"masked_loss(logits of shape {tuple(logits.shape)}, targets with {(targets != -100).sum().item()} "\
                    "selected positions)"
-            got = expect_number(call_reader(fn, logits, targets, call=call, names=("logits", "targets")), call)
-            hint = ("Average -log softmax(logits)[target] over the selected positions only (targets != -100): "
-                    "select them with a boolean mask, or use F.cross_entropy(..., ignore_index=-100).")
+            got = expect_number(call_reader(fn, logits, targets, call=call, names=("logits", "targets"),
+                                            forbid=_IGNORE_INDEX), call)
+            hint = ("Average -log softmax(logits)[target] over the selected positions only: select them with the "
+                    "boolean mask targets != -100 (logits[selected], targets[selected]).")
             selected = targets != -100
             log_probs = logits.log_softmax(-1)
             picked = -log_probs.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
@@ -86,6 +112,7 @@ def check_apply_masking(fn: Callable) -> Verdict:
             call = f"apply_masking(ids of shape {tuple(ids.shape)}, plan, mask_id={mask_id}, random_ids)"
             got = call_reader(fn, ids, plan, mask_id, random_ids, call=call,
                               names=("ids", "plan", "mask_id", "random_ids"), returns=tuple,
+                              forbid=(masking.apply_masking, masking.mask_tokens),
                               expected="a pair (inputs, targets)")
             expect(len(got) == 2 and all(isinstance(t, torch.Tensor) for t in got),
                    f"{call} returned a tuple of {len(got)} items", "Return a pair of tensors (inputs, targets).")

@@ -38,7 +38,8 @@ def check_decoder_inputs(fn: Callable) -> Verdict:
         expected = [collate([[1]] * len(seqs), seqs, pad_id=p, start_id=s, end_id=e)[1:] for seqs, p, s, e in _CASES]
         for (seqs, p, s, e), (want_in, want_out) in zip(_CASES, expected):
             call = f"my_decoder_inputs({seqs}, pad_id={p}, start_id={s}, end_id={e})"
-            out = call_reader(fn, seqs, p, s, e, call=call, names=("targets", "pad_id", "start_id", "end_id"))
+            out = call_reader(fn, seqs, p, s, e, call=call, names=("targets", "pad_id", "start_id", "end_id"),
+                              forbid=(collate,))
             expect(isinstance(out, tuple) and len(out) == 2, f"{call} returned a {type(out).__name__}",
                    "Return a pair of tensors: (decoder input, targets).")
             got_in, got_out = (expect_tensor(t, f"{call}[{i}]") for i, t in enumerate(out))

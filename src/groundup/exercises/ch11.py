@@ -28,10 +28,58 @@ __all__ = ["check_ring_allreduce", "check_zero_memory"]
 
 # ---- Exercise 11.1 -----------------------------------------------------------------------------------------
 
+_BIG = 2.0 ** 60  # 1 + 2^60 rounds to 2^60 in float64: the order of the additions shows in the result
+
+
+def _order_revealing_tensors(p: int = 3) -> list[torch.Tensor]:
+    """p tensors of p chunks of p numbers: element j of every chunk is 1 at process j and +-2^60 at the others, so
+    a chunk added up in any order ends as the one-hot vector of the process added last (2^60 - 2^60 + 1 = 1, but
+    2^60 + 1 - 2^60 = 0)."""
+    tensors = [torch.empty(p * p, dtype=torch.float64) for _ in range(p)]
+    for j in range(p):
+        others = [q for q in range(p) if q != j]
+        for r in range(p):
+            value = 1.0 if r == j else (_BIG if r == others[0] else -_BIG)
+            for c in range(p):
+                tensors[r][c * p + j] = value
+    return tensors
+
+
+def _last_added(chunk: torch.Tensor) -> int | None:
+    """The process added last into ``chunk`` of the order-revealing sum, or ``None`` if no order gives it."""
+    if not bool(((chunk == 0) | (chunk == 1)).all()) or int(chunk.sum()) != 1:
+        return None
+    return int(chunk.argmax())
+
+
+def _expect_a_ring(fn: Callable) -> None:
+    """In a ring each chunk's partial sum starts at another process, so the p chunks are added up in p different
+    orders; a sum computed in one place (``sum(tensors)``) adds every chunk in the same order."""
+    p = 3
+    tensors = _order_revealing_tensors(p)
+    call = f"my_ring_allreduce(tensors) with p = {p} tensors of 1 and ±2^60"
+    out = call_reader(fn, tensors, call=call, names=("tensors",))
+    expect(isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (list, tuple)) and len(out[0]) == p,
+           f"{call} returned {type(out).__name__}", "Return a pair: (the list of p results, the list of counts).")
+    results = [expect_tensor(t, f"{call}: results[{r}]") for r, t in enumerate(out[0])]
+    expect(all(t.shape == (p * p,) and torch.equal(t, results[0]) for t in results),
+           f"{call}: the processes end with different results",
+           "After the all-gather every process holds the same reduced chunks: copy them, do not add them again.")
+    last = [_last_added(results[0][c * p:(c + 1) * p].double()) for c in range(p)]
+    expect(None not in last, f"{call}: the results are not these numbers added up in any order",
+           "Add the chunks in float64 as they are (no rescaling, no other dtype).")
+    expect(sorted(last) == list(range(p)),
+           f"{call}: every chunk was added up in the same order (process {last[0]} last), as when the sum is "
+           "computed in one place",
+           "In a ring each chunk's partial sum starts at a different process and travels round it, so the "
+           "chunks are added up in different orders. Pass one chunk from process r to (r + 1) mod p per step, "
+           "as the exercise describes, instead of summing the tensors at once (sum(tensors)).")
+
 
 def check_ring_allreduce(fn: Callable) -> Verdict:
     """Exercise 11.1: ``fn(tensors) -> (results, sent)``: a ring all-reduce (sum) of p equal-length 1-D tensors,
-    simulated in one process; ``sent[r]`` counts the numbers process r sent, which must be 2 (p − 1)/p · N."""
+    simulated in one process; ``sent[r]`` counts the numbers process r sent, which must be 2 (p − 1)/p · N. A
+    last case shows whether the chunks really went round a ring (see :func:`_expect_a_ring`)."""
 
     def checks():
         g = torch.Generator().manual_seed(11)
@@ -61,6 +109,7 @@ def check_ring_allreduce(fn: Callable) -> Verdict:
                                    "In each of the p − 1 reduce-scatter steps and each of the p − 1 all-gather "
                                    "steps a process sends one chunk of N / p numbers to its right-hand neighbour, "
                                    "never the whole tensor.")
+        _expect_a_ring(fn)
 
     return run_checks("Exercise 11.1 (ring all-reduce)", checks,
                       "Every process ends with the sum, and each sent 2 (p − 1) N / p numbers, for p = 1 to 4.")
@@ -78,7 +127,8 @@ def check_zero_memory(fn: Callable) -> Verdict:
         for n, gpus, stage in cases:
             expected = training_memory(n, gpus, stage)["total"]
             call = f"my_zero_memory({n:_}, n_gpus={gpus}, stage={stage})"
-            got = expect_number(call_reader(fn, n, gpus, stage, call=call), call, "Return the number of bytes.")
+            got = expect_number(call_reader(fn, n, gpus, stage, call=call, forbid=(training_memory,)), call,
+                                "Return the number of bytes.")
             hints = {16 * n: "With several GPUs and stage >= 1 some parts are divided by n_gpus.",
                      16 * n / gpus: "Only stage 3 divides everything: stage 1 shards the optimizer state (12 bytes), "
                                     "stage 2 also the gradients (2 bytes); the rest stays whole on every GPU."}

@@ -92,8 +92,8 @@ def check_gpt2_parameter_count(fn: Callable) -> Verdict:
         for n_layers, d, vocab, context in cases:
             expected = gpt2_parameters(n_layers, d, vocab, context)
             call = f"my_gpt2_parameter_count({n_layers}, {d}, {vocab}, {context})"
-            got = expect_number(call_reader(fn, n_layers, d, vocab, context, call=call), call,
-                                "Return the number of parameters as an int.")
+            got = call_reader(fn, n_layers, d, vocab, context, call=call, forbid=(gpt2_parameters,))
+            got = expect_number(got, call, "Return the number of parameters as an int.")
             untied = expected + vocab * d
             hints = {untied: "GPT-2 ties the unembedding U to W_E: count that matrix once.",
                      expected - context * d: "Count the learned positional table (context_length x d_model) too.",
@@ -114,6 +114,22 @@ def _rope(x: torch.Tensor, t: int, half: bool) -> torch.Tensor:
     """Rotary embedding of one vector at position t: interleaved pairs (2i, 2i+1) or halves (i, i + d/2)."""
     rotary = RotaryEmbedding(x.shape[-1], pairing="half" if half else "interleaved")
     return rotary.apply_rotary(x[None], torch.tensor([t]))[0]
+
+
+def _rotary_hint(perm: list[int]) -> str:
+    """Where ``perm`` first goes wrong, without giving the whole permutation away."""
+    half = len(perm) // 2
+    for i in range(half):
+        a, b = perm[2 * i], perm[2 * i + 1]
+        if {a, b} == {i, i + half}:
+            if a != i:
+                return (f"Positions {2 * i} and {2 * i + 1} hold the right pair of dimensions in the wrong order: a "
+                        "rotation turns the first of a pair towards the second, so the order matters.")
+            continue
+        return (f"The interleaved pairing rotates positions {2 * i} and {2 * i + 1} of x[perm] together at "
+                f"frequency {i}, but rotate-half does not rotate x[{a}] and x[{b}] together at that frequency. "
+                f"Which two dimensions does rotate-half pair at frequency {i}?")
+    return ""
 
 
 def check_rotary_permutation(fn: Callable) -> Verdict:
@@ -139,9 +155,7 @@ def check_rotary_permutation(fn: Callable) -> Verdict:
                 if not torch.allclose(lhs, rhs, rtol=1e-12, atol=1e-12):
                     raise Mismatch(f"{call} = {list(perm)}: rotating x[perm] with interleaved pairs differs from "
                                    f"permuting the rotate-half result at position t = {t}",
-                                   "Rotate-half pairs dimension i with i + d/2 at frequency i; interleaved pairs "
-                                   "2i with 2i + 1. So position 2i must take i and position 2i + 1 must take i + d/2."
-                                   if perm != expected else "")
+                                   _rotary_hint(list(perm)) if perm != expected else "")
 
     return run_checks("Exercise 12.3 (rotate-half to interleaved)", checks,
                       "Your permutation turns LLaMA's rotate-half pairing into the book's interleaved one.")
