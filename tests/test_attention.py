@@ -5,7 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from groundup.attention import KVCache, MultiHeadAttention, causal_mask, scaled_dot_product_attention
+from groundup.attention import (
+    KVCache,
+    MultiHeadAttention,
+    causal_mask,
+    reusing_stacked_weights,
+    scaled_dot_product_attention,
+)
 
 
 def _gen(seed=0):
@@ -650,17 +656,42 @@ def test_stacked_weights_are_reused_at_inference_and_renewed_after_any_edit(n_kv
     torch.manual_seed(0)
     attn = MultiHeadAttention(16, 4, n_kv_heads=n_kv_heads)
     x = torch.randn(2, 5, 16, generator=_gen(1))
-    with torch.no_grad():
+    fresh_before = _fresh_output(attn, x)
+    with torch.no_grad(), reusing_stacked_weights():
         before = attn(x)
         stacked = attn._stacked_weights(("W_q", "W_k", "W_v"))
         assert attn._stacked_weights(("W_q", "W_k", "W_v")) is stacked  # no concatenation on the second call
         assert torch.equal(attn(x), before)
-    assert torch.equal(before, _fresh_output(attn, x))  # bit for bit the stacking done while training
-    edit(attn)
-    with torch.no_grad():
+        edit(attn)  # inside the same block: the kept copy must be renewed
         after = attn(x)
+    assert torch.equal(before, fresh_before)  # bit for bit the stacking done while training
     assert torch.equal(after, _fresh_output(attn, x))
     assert not torch.allclose(after, before)  # the edit did change the output: a stale copy would fail above
+
+
+def test_stacked_weights_are_not_kept_outside_a_reuse_block():
+    attn = MultiHeadAttention(16, 4)
+    with torch.no_grad():
+        assert attn._stacked_weights(("W_q", "W_k", "W_v")) is not attn._stacked_weights(("W_q", "W_k", "W_v"))
+
+
+def test_stacked_weights_are_fresh_after_a_fused_adamw_step():
+    # The fused AdamW step (train's optimizer) edits the weights in place without bumping their version
+    # counters: a copy kept from one evaluation to the next would be stale (it was, and chapter 7's validation
+    # losses moved). Each reuse block starts afresh.
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4)
+    x = torch.randn(2, 5, 16, generator=_gen(1))
+    opt = torch.optim.AdamW(attn.parameters(), lr=0.1, fused=True)
+    with torch.no_grad(), reusing_stacked_weights():
+        before = attn(x)
+    versions = [p._version for p in attn.parameters()]
+    attn(x).square().sum().backward()
+    opt.step()
+    assert [p._version for p in attn.parameters()] == versions  # why the block, not the counter, decides
+    with torch.no_grad(), reusing_stacked_weights():
+        after = attn(x)
+    assert torch.equal(after, _fresh_output(attn, x)) and not torch.allclose(after, before)
 
 
 def test_stacked_weights_for_cross_attention_follow_edits_too():
@@ -682,9 +713,10 @@ def test_stacked_weights_made_in_inference_mode_serve_frozen_training():
     torch.manual_seed(0)
     attn = MultiHeadAttention(16, 4).requires_grad_(False)
     x = torch.randn(2, 5, 16, generator=_gen(1), requires_grad=True)
-    with torch.inference_mode():
-        attn(x.detach())
-    attn(x).sum().backward()
+    with reusing_stacked_weights():
+        with torch.inference_mode():
+            attn(x.detach())
+        attn(x).sum().backward()
     ref = MultiHeadAttention(16, 4)
     ref.load_state_dict(attn.state_dict())
     x2 = x.detach().clone().requires_grad_(True)

@@ -16,6 +16,7 @@ query **may** attend to a key (note that :class:`torch.nn.MultiheadAttention` us
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 
@@ -209,6 +210,33 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+class _Reuse:
+    """Which :func:`reusing_stacked_weights` block is open: 0 for none, else a number no earlier block had."""
+
+    epoch = 0
+    opened = 0
+
+
+_REUSE = _Reuse()
+
+
+@contextlib.contextmanager
+def reusing_stacked_weights():
+    """Within this block, attention layers stack W_Q, W_K, W_V once and reuse the stacked copy (inference only).
+
+    ``generate`` runs its loop inside one, so a decode step does not concatenate the three weight matrices anew
+    for every token. The weights must not change inside the block except by edits that bump their version
+    counters; each block starts afresh, so nothing kept in one is used in another.
+    """
+    outer = _REUSE.epoch
+    _REUSE.opened += 1
+    _REUSE.epoch = _REUSE.opened
+    try:
+        yield
+    finally:
+        _REUSE.epoch = outer
+
+
 def _stack(layers) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The weights of linear ``layers`` stacked along the output dimension, and their biases (or None)."""
     weight = torch.cat([layer.weight for layer in layers])
@@ -292,32 +320,39 @@ class MultiHeadAttention(nn.Module):
 
     def _project(self, x: torch.Tensor, context: torch.Tensor | None, need_kv: bool):
         """Queries from ``x``, keys and values from ``context`` (or ``x``); one fused matmul when possible."""
-        if context is None and need_kv:  # self-attention: one (d_model -> 3 * inner) matmul instead of three
+        if context is None and need_kv and self._fusable(("W_q", "W_k", "W_v")):  # one matmul instead of three
             w, b = self._stacked_weights(("W_q", "W_k", "W_v"))
             inner, inner_kv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
             return F.linear(x, w, b).split([inner, inner_kv, inner_kv], dim=-1)
         q = self.W_q(x)
         if not need_kv:
             return q, None, None
+        if not self._fusable(("W_k", "W_v")):  # e.g. LoRA adapters (groundup.lora): each layer computes itself
+            source = x if context is None else context
+            return q, self.W_k(source), self.W_v(source)
         w, b = self._stacked_weights(("W_k", "W_v"))
         k, v = F.linear(x if context is None else context, w, b).chunk(2, dim=-1)
         return q, k, v
 
+    def _fusable(self, names: tuple[str, ...]) -> bool:
+        """Whether the layers ``names`` are plain ``nn.Linear`` s, whose weights may be stacked into one matmul."""
+        return all(type(getattr(self, name)) is nn.Linear for name in names)
+
     def _stacked_weights(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weights (and biases) of the layers ``names`` stacked into one matrix (and one vector).
 
-        While autograd records the weights (training), they are stacked anew on every call, inside the graph. At
-        inference (``torch.no_grad``, ``torch.inference_mode`` or frozen weights) the stacked copy is kept and
-        reused until a weight changes: a weight replaced, moved, converted (another tensor or another storage)
-        or edited in place (optimizer steps, ``load_state_dict``, edits under ``torch.no_grad``: each bumps the
-        tensor's version counter). An edit through ``.data`` bypasses the version counter; after one, call
-        :meth:`clear_stacked_weights`.
+        Stacked anew on every call, except inside :func:`reusing_stacked_weights` (which ``generate`` enters),
+        where autograd does not record the weights: there the stacked copy is made once and reused until the
+        context ends or a weight changes (replaced, moved, converted, or edited in place with a version-counter
+        bump). The reuse is tied to one ``with`` block because a tensor's version counter does not see every
+        edit: the fused AdamW step (``fused=True``, what ``train`` uses) updates the weights in place without
+        bumping it, and ``.data`` edits bypass it too, so a copy kept across an optimizer step would be stale.
         """
         layers = [getattr(self, name) for name in names]
         tensors = [layer.weight for layer in layers] + [layer.bias for layer in layers if layer.bias is not None]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if not _REUSE.epoch or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return _stack(layers)
-        stamp = [(t.data_ptr(), _version(t)) for t in tensors]
+        stamp = [_REUSE.epoch] + [(t.data_ptr(), _version(t)) for t in tensors]
         cached = self.__dict__.setdefault("_stacked", {}).get(names)
         if cached is not None and len(cached[0]) == len(tensors) and all(
                 a is t for a, t in zip(cached[0], tensors, strict=True)) and cached[1] == stamp:

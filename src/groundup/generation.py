@@ -17,6 +17,8 @@ import math
 import torch
 from torch import nn
 
+from groundup.attention import reusing_stacked_weights
+
 __all__ = ["generate", "top_k_filter", "top_p_filter", "TOP_P_TOLERANCE"]
 
 TOP_P_TOLERANCE = 1e-6
@@ -189,7 +191,7 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temper
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), reusing_stacked_weights():  # W_Q, W_K, W_V stacked once, not per token
             cache = model.new_cache() if use_cache else None
             for _ in range(max_new_tokens):
                 if cache is not None and out.shape[1] <= context_length:
