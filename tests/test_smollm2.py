@@ -309,3 +309,34 @@ def test_gguf_tokenizer_refuses_bad_merges(path):
     meta["tokenizer.ggml.pre"] = "qwen2"
     with pytest.raises(CheckpointError, match="pre-tokenizers"):
         gguf_tokenizer(meta)
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+
+def test_cli_chat_and_completion(smollm2, monkeypatch, capsys):
+    from groundup import cli, pretrained
+
+    monkeypatch.setattr(pretrained, "load_smollm2", lambda: smollm2)  # the module's model: no second load
+    assert cli.main(["sample", "--pretrained", "smollm2", "--chat", "--greedy", "--tokens", "10",
+                     "--prompt", "What is the capital of France?"]) == 0
+    answer = capsys.readouterr().out
+    assert "Paris" in answer and "<|im_start|>" not in answer and "system" not in answer
+    assert cli.main(["sample", "--pretrained", "smollm2", "--greedy", "--tokens", "5", "--prompt", "ROMEO:"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+def test_cli_chat_needs_smollm2_and_a_prompt(smollm2, monkeypatch, capsys, tmp_path):
+    from groundup import cli, pretrained
+
+    monkeypatch.setattr(pretrained, "load_smollm2", lambda: smollm2)
+    assert cli.main(["sample", "--pretrained", "smollm2", "--chat"]) == 1
+    assert "--chat needs --prompt" in capsys.readouterr().err
+    assert cli.main(["sample", str(tmp_path), "--chat", "--prompt", "hi"]) == 2
+    assert "--chat needs --pretrained smollm2" in capsys.readouterr().err
+
+
+def test_cli_data_smollm2(capsys):
+    from groundup import cli
+
+    assert cli.main(["data", "smollm2"]) == 0
+    assert "smollm2: 98,362,432 bytes, SHA-256 verified" in capsys.readouterr().out

