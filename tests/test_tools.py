@@ -256,6 +256,7 @@ def test_nbval_lanes_run_with_passive_openmp_threads(tmp_path, monkeypatch, caps
     class Recorder:
         def __init__(self, command, *, env, **kwargs):
             seen.append(env.get("OMP_WAIT_POLICY"))
+            assert env["MKL_CBWR"] == "COMPATIBLE"
 
         def wait(self):
             return 0
@@ -270,6 +271,20 @@ def test_nbval_lanes_run_with_passive_openmp_threads(tmp_path, monkeypatch, caps
     seen.clear()
     assert nbval_lanes.main(["--", "-q"]) == 0
     assert seen == ["ACTIVE", "ACTIVE"]
+
+def test_notebooks_run_on_mkls_reproducible_code_path(tmp_path, monkeypatch):
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    assert nbval_lanes.notebook_env()["MKL_CBWR"] == "COMPATIBLE"
+    monkeypatch.setenv("MKL_CBWR", "AVX2")  # a caller's choice is kept
+    assert nbval_lanes.notebook_env(OMP_WAIT_POLICY="PASSIVE")["MKL_CBWR"] == "AVX2"
+    monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
+    (tmp_path / "01_b.ipynb").write_text("{}")
+    monkeypatch.delenv("MKL_CBWR")
+    seen = []
+    monkeypatch.setattr(nbval_lanes.subprocess, "call", lambda command, *, cwd, env: seen.append(env) or 0)
+    assert nbval_lanes.main(["--lanes", "1", "--", "-q"]) == 0
+    assert seen[0]["MKL_CBWR"] == "COMPATIBLE"
+
 
 NANOGPT_STANDIN = '''
 from dataclasses import dataclass

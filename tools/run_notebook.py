@@ -4,12 +4,15 @@
 
 Syncs the badge, setup and solution cells first (in memory), runs each notebook from a fresh kernel in
 ``notebooks/``, numbers the cells 1..n, sets the standard kernelspec and drops per-cell timing metadata, so the
-stored outputs are what a fresh run prints. The file is rewritten, atomically, only when the whole run
-succeeded: a malformed notebook is an error naming the file, and a failed execution leaves the file as it was.
+stored outputs are what a fresh run prints. The kernel gets the environment the checked runs use
+(``nbval_lanes.notebook_env``: MKL's reproducible code path), so the stored numbers are those of every CPU.
+The file is rewritten, atomically, only when the whole run succeeded: a malformed notebook is an error naming
+the file, and a failed execution leaves the file as it was.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +21,7 @@ import nbformat
 from nbclient import NotebookClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import nbval_lanes  # noqa: E402
 import sync_notebooks  # noqa: E402
 
 
@@ -36,6 +40,7 @@ def run(path: Path, timeout: int = 900) -> float:
     nb.metadata.pop("jupytext", None)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     start = time.perf_counter()
+    os.environ.update(nbval_lanes.notebook_env())  # the kernel inherits it
     try:
         NotebookClient(nb, timeout=timeout, kernel_name="python3",
                        resources={"metadata": {"path": str(path.parent)}}, record_timing=False).execute()
