@@ -143,3 +143,17 @@ def test_checker_reports_crash(capsys):
 def _unwrapped_verdicts(monkeypatch):
     """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
     monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)
+
+
+def test_the_packages_merging_and_encoding_are_refused(capsys):
+    from groundup import tokenizers
+
+    assert not check_merge(tokenizers.merge)
+    assert "calls groundup.tokenizers.merge" in capsys.readouterr().out
+
+    def via_the_package(text, merges):
+        return tokenizers.merge_by_scan(list(text.encode("utf-8")), {pair: k for k, pair in enumerate(merges)})
+
+    assert not check_encode_with_merges(via_the_package)
+    assert "calls groundup.tokenizers.merge_by_scan" in capsys.readouterr().out
+    assert tokenizers.merge([1, 2, 1, 2], (1, 2), 9) == [9, 9], "the package works again afterwards"

@@ -183,3 +183,12 @@ def test_crash_becomes_a_verdict(capsys):
 def _unwrapped_verdicts(monkeypatch):
     """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
     monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)
+
+
+def test_the_packages_encodings_are_refused(capsys):
+    from groundup.positional import RotaryEmbedding, sinusoidal_encoding
+
+    assert not check_sinusoidal_encoding(sinusoidal_encoding)
+    assert "calls groundup.positional.sinusoidal_encoding" in capsys.readouterr().out
+    assert not check_apply_rotary(lambda x, positions: RotaryEmbedding(x.shape[-1]).apply_rotary(x, positions))
+    assert "calls groundup.positional.RotaryEmbedding.apply_rotary" in capsys.readouterr().out

@@ -170,3 +170,13 @@ def test_attention_returning_one_tensor_names_the_pair(capsys):
 def _unwrapped_verdicts(monkeypatch):
     """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
     monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)
+
+
+def test_the_packages_attention_is_refused(capsys):
+    from groundup.attention import attention_weights, scaled_dot_product_attention
+
+    def via_the_package(q, k, v, mask=None):
+        return scaled_dot_product_attention(q, k, v, mask=mask), attention_weights(q, k, mask=mask)
+
+    assert not check_attention(via_the_package)
+    assert "calls groundup.attention.scaled_dot_product_attention" in capsys.readouterr().out

@@ -215,3 +215,9 @@ def test_swiglu_solution_equals_the_llama_mlp_of_transformers():
 def _unwrapped_verdicts(monkeypatch):
     """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
     monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)
+
+
+def test_calling_the_blocks_own_forward_is_refused(capsys):
+    assert not check_pre_ln_block(lambda x, block, mask: block(x, mask=mask))
+    out = capsys.readouterr().out
+    assert "calls groundup.layers.TransformerBlock.forward" in out, out

@@ -148,7 +148,7 @@ def top_p_keeps_one_too_many(logits, p):
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     remove_sorted = torch.zeros_like(mass_before, dtype=torch.bool)
-    remove_sorted[..., 1:] = (mass_before >= p)[..., :-1]
+    remove_sorted[..., 1:] = (mass_before >= p - 1e-6)[..., :-1]
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, INF)
 
@@ -156,7 +156,7 @@ def top_p_keeps_one_too_many(logits, p):
 def top_p_mask_not_unsorted(logits, p):
     probs = torch.softmax(logits, dim=-1)
     sorted_probs, _ = torch.sort(probs, dim=-1, descending=True)
-    return logits.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= p, INF)
+    return logits.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= p - 1e-6, INF)
 
 
 def top_p_ascending(logits, p):
@@ -319,8 +319,8 @@ def test_a_top_p_without_the_tolerance_is_rejected_and_the_random_cases_have_a_m
         return logits.masked_fill(torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted), INF)
 
     assert not check_top_p_filter(without_tolerance)
-    out = capsys.readouterr().out
-    assert "p=0.1800005" in out and "within 1e-6 of p = 0.1800005" in out, out
+    out = capsys.readouterr().out  # at p = 0.18 already where 0.1 + 0.05 + 0.03 rounds below 0.18 (some CPUs)
+    assert "p=0.18" in out and "within 1e-6 of p" in out, out
 
 
 def test_checkers_leave_the_global_random_state_alone():

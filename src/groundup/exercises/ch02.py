@@ -11,9 +11,12 @@ import random
 from collections.abc import Callable
 
 from groundup.exercises.checking import Mismatch, Verdict, call_reader, expect, expect_close, expect_number, run_checks
-from groundup.tokenizers import BPETokenizer, CharTokenizer
+from groundup.tokenizers import BPETokenizer, CharTokenizer, merge, merge_by_scan, merge_with_heap
 
 __all__ = ["check_most_frequent_pair", "check_merge", "check_encode_with_merges", "check_bytes_per_token"]
+
+_ENCODERS = (merge, merge_by_scan, merge_with_heap, BPETokenizer.encode)  # the package's own solutions
+
 
 
 def _pair(got, call: str):
@@ -84,7 +87,7 @@ def check_merge(fn: Callable) -> Verdict:
         for (ids, pair, new_id), expected, hint in cases:
             call = f"merge({ids}, {pair}, {new_id})"
             got = call_reader(fn, ids, pair, new_id, call=call, names=("ids", "pair", "new_id"), returns=list,
-                              expected="a list of ids")
+                              expected="a list of ids", forbid=(merge,))
             expect(got == expected, f"{call} returned {got!r}, expected {expected}", hint)
 
     return run_checks("Exercise 2.2 (merge a pair)", checks, "This is one BPE merge step.")
@@ -104,24 +107,24 @@ def check_encode_with_merges(fn: Callable) -> Verdict:
         reference = BPETokenizer(merges, pattern=None)
         names = ("text", "merges")
         got = call_reader(fn, "abc", [], call="encode_with_merges('abc', [])", names=names, returns=list,
-                          expected="a list of ids")
+                          expected="a list of ids", forbid=_ENCODERS)
         expect(got == [97, 98, 99], f"encode_with_merges('abc', []) returned {got!r}, expected [97, 98, 99]",
                "Start from the UTF-8 bytes: list(text.encode('utf-8')).")
         got = call_reader(fn, "é", [], call="encode_with_merges('é', [])", names=names, returns=list,
-                          expected="a list of ids")
+                          expected="a list of ids", forbid=_ENCODERS)
         expect(got == [195, 169], f"encode_with_merges('é', []) returned {got!r}, expected [195, 169]",
                "Use the UTF-8 bytes of the text, not ord() of its characters: 'é' is two bytes.")
         small = [(97, 98), (98, 99), (256, 99)]
         for text, expected in [("abc", [258]), ("bcab", [257, 256]), ("abcbc", [258, 257])]:
             got = call_reader(fn, text, small, call=f"encode_with_merges({text!r}, {small})", names=names,
-                              returns=list, expected="a list of ids")
+                              returns=list, expected="a list of ids", forbid=_ENCODERS)
             expect(got == expected, f"encode_with_merges({text!r}, {small}) returned {got!r}, expected {expected}",
                    "Merges must be applied in the order they were learned: (97, 98) before (98, 99). Repeatedly "
                    "merge the adjacent pair with the lowest rank (k), until no pair has a rank.")
         for text in ["the three thin thieves", "there they go, thinking", "xyz then the", "thé thé 😀 th"]:
             expected = reference.encode(text)
             got = call_reader(fn, text, merges, call=f"encode_with_merges({text!r}, merges)", names=names,
-                              returns=list, expected="a list of ids")
+                              returns=list, expected="a list of ids", forbid=_ENCODERS)
             expect(got == expected, f"encode_with_merges({text!r}, merges) returned {got!r}, expected {expected}",
                    "Repeat: among adjacent pairs that have a merge, merge the one learned first (smallest k), "
                    "everywhere in the list, giving id 256 + k.")

@@ -17,6 +17,9 @@ from groundup.positional import RotaryEmbedding, alibi_slopes, sinusoidal_encodi
 
 __all__ = ["check_alibi_half_life", "check_apply_rotary", "check_shift_matrix", "check_sinusoidal_encoding"]
 
+_ROTARY = (RotaryEmbedding.apply_rotary, RotaryEmbedding.forward)  # the package's own rotation
+
+
 
 def _close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-4) -> bool:
     return a.shape == b.shape and torch.allclose(a.double(), b.double(), atol=atol, rtol=0)
@@ -28,7 +31,7 @@ def check_sinusoidal_encoding(fn: Callable) -> Verdict:
     def checks():
         expected = sinusoidal_encoding(6, 4).double()
         got = call_reader(fn, 6, 4, call="sinusoidal(6, 4)", names=("n_positions", "d_model"), returns=torch.Tensor,
-                          expected="a torch.Tensor of shape [n_positions, d_model]")
+                          expected="a torch.Tensor of shape [n_positions, d_model]", forbid=(sinusoidal_encoding,))
         expect(tuple(got.shape) == (6, 4), f"sinusoidal(6, 4) has shape {tuple(got.shape)}, expected (6, 4)",
                "One row per position k = 0..n_positions-1, one column per dimension.")
         got = got.detach().double()
@@ -48,7 +51,8 @@ def check_sinusoidal_encoding(fn: Callable) -> Verdict:
                 hint = "The exponent is 2i/d with i the pair index (0, 1, ...), not i/d: frequencies are 10000^(-2i/d)."
         expect_close(got, expected, "sinusoidal(6, 4)", hint, atol=1e-5)
         k, d = 37, 16
-        big = call_reader(fn, 50, d, call="sinusoidal(50, 16)", returns=torch.Tensor).detach().double()
+        big = call_reader(fn, 50, d, call="sinusoidal(50, 16)", returns=torch.Tensor, forbid=(sinusoidal_encoding,))
+        big = big.detach().double()
         expect(tuple(big.shape) == (50, d), f"sinusoidal(50, 16) has shape {tuple(big.shape)}",
                "Use the arguments; do not hard-code the sizes.")
         for i in (0, 3, 7):
@@ -72,7 +76,7 @@ def check_apply_rotary(fn: Callable) -> Verdict:
         expected4 = RotaryEmbedding(8).apply_rotary(x4, positions4)
         names = ("x", "positions")
         got = call_reader(fn, x, positions, call="rope(x, positions)", names=names, returns=torch.Tensor,
-                          expected="a torch.Tensor with the same shape as x")
+                          expected="a torch.Tensor with the same shape as x", forbid=_ROTARY)
         expect(tuple(got.shape) == (3, 2), f"rope of x with shape (3, 2) returned shape {tuple(got.shape)}",
                "The output has the same shape as x.")
         expected = torch.tensor([[1.0, 0.0], [math.cos(1), math.sin(1)], [math.cos(2), math.sin(2)]])
@@ -83,7 +87,7 @@ def check_apply_rotary(fn: Callable) -> Verdict:
         expect_close(got, expected, "rope(x, positions) for d=2, x = (1, 0) at positions 0, 1, 2", hint, atol=1e-5)
         x, positions, expected = x4, positions4, expected4
         got = call_reader(fn, x, positions, call="rope(x of shape (2, 3, 5, 8), positions)", names=names,
-                          returns=torch.Tensor, expected="a torch.Tensor with the same shape as x")
+                          returns=torch.Tensor, expected="a torch.Tensor with the same shape as x", forbid=_ROTARY)
         hint = "Pair i uses the frequency 10000**(-2i/d) and the dimensions (2i, 2i+1); positions index the seq axis."
         if got.shape == x.shape:
             # the (i, i + d/2) pairing: interleave the halves, rotate, then split them again

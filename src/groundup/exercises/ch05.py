@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from groundup import attention
 from groundup.exercises.checking import (
     Verdict,
     call_reader,
@@ -24,6 +25,9 @@ from groundup.exercises.checking import (
 )
 
 __all__ = ["check_attention", "check_padding_mask", "check_split_heads", "check_mha_parameters"]
+
+_ATTENTION = (attention.scaled_dot_product_attention, attention.attention_weights)  # the package's own
+
 
 
 def check_attention(fn: Callable) -> Verdict:
@@ -43,7 +47,7 @@ def check_attention(fn: Callable) -> Verdict:
 
         def attend(call, **kwargs):
             got = call_reader(fn, q, k, v, call=call, names=names, returns=tuple, expected="a pair (out, weights)",
-                              **kwargs)
+                              **kwargs, forbid=_ATTENTION)
             expect(len(got) == 2, f"{call} returned {len(got)} values", "Return a pair (out, weights).")
             out = expect_tensor(got[0], f"{call}[0] (out)")
             weights = expect_tensor(got[1], f"{call}[1] (weights)")
