@@ -539,3 +539,25 @@ def test_a_checkpoint_with_a_crafted_step_is_refused(tmp_path, step, message):
     torch.save(ckpt, path)
     with pytest.raises(ValueError, match=message):
         train(tiny_model(), pattern_data(), pattern_data(), config(max_steps=30, out_dir=tmp_path, resume=True))
+
+
+def test_chapter7_model_is_reused_only_under_the_mkl_setting_it_was_trained_with(tmp_path, monkeypatch):
+    # MKL picks its kernels per CPU unless MKL_CBWR=COMPATIBLE (the notebooks' setting): a cached model trained
+    # under another setting has other last bits, and the chapters that load it would print other numbers.
+    from groundup.tokenizers import CharTokenizer
+
+    monkeypatch.setenv("GROUNDUP_CACHE_DIR", str(tmp_path))
+    tokenizer = CharTokenizer.from_text("abcdefgh")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **training.CHAPTER7_MODEL))
+    retrained = []
+    monkeypatch.setattr(training, "train_chapter7_model", lambda **kw: retrained.append(1) or (model, tokenizer, None))
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    with training.threads(1):
+        training.save_chapter7_model(model, tokenizer, training.History(), cache_dir=tmp_path)
+    loaded, _ = training.chapter7_model(cache_dir=tmp_path)
+    assert retrained == []  # loaded, under the same (unset) setting
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    training.chapter7_model(cache_dir=tmp_path)
+    assert retrained == [1]

@@ -835,8 +835,9 @@ def train_chapter7_model(*, progress: bool = False):
 
     Exactly what chapter 7 runs: the corpus's characters as the vocabulary, the first 90 % for training,
     ``torch.manual_seed(0)`` before building ``GPT(GPTConfig(**CHAPTER7_MODEL))``, then :func:`train` with
-    ``TrainConfig(**CHAPTER7_TRAINING)`` on one CPU thread (so the weights are the same on every machine). The
-    result is saved for :func:`chapter7_model`.
+    ``TrainConfig(**CHAPTER7_TRAINING)`` on one CPU thread. The result is saved for :func:`chapter7_model`. The
+    weights are the same on every machine when MKL's reproducible code path is on (``MKL_CBWR=COMPATIBLE`` in the
+    environment, as the book's notebooks run); MKL's own kernel choice differs between CPUs in the last bits.
     """
     from groundup.data import load_corpus, train_val_split
     from groundup.tokenizers import CharTokenizer
@@ -856,12 +857,14 @@ def save_chapter7_model(model: GPT, tokenizer, history: History, *, cache_dir=No
     """Store the chapter 7 model with its tokenizer's characters and history, for :func:`chapter7_model`.
 
     Call it with one CPU thread in force (as chapter 7 trains): only such a model is reused, because only its
-    weights are the same on every machine.
+    weights are the same on every machine. The ``MKL_CBWR`` setting in force is recorded too: a model is reused
+    only under the same setting (see :func:`train_chapter7_model`).
     """
     path = chapter7_path(cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_checkpoint(path, model, history=history, train_config=TrainConfig(**CHAPTER7_TRAINING),
-                    extra={"chars": list(tokenizer.chars), "threads": torch.get_num_threads()})
+                    extra={"chars": list(tokenizer.chars), "threads": torch.get_num_threads(),
+                           "mkl_cbwr": os.environ.get("MKL_CBWR")})
     return path
 
 
@@ -870,7 +873,8 @@ def chapter7_model(*, cache_dir=None, progress: bool = False):
 
     If chapter 7 (or an earlier call) stored a model trained with today's ``CHAPTER7_MODEL`` and
     ``CHAPTER7_TRAINING``, it is loaded; otherwise the model is trained now (about two minutes on two CPU cores)
-    and stored. The model is returned in eval mode.
+    and stored (a model stored under another ``MKL_CBWR`` setting is trained afresh: its weights differ in the
+    last bits). The model is returned in eval mode.
     """
     from groundup.tokenizers import CharTokenizer
 
@@ -881,7 +885,8 @@ def chapter7_model(*, cache_dir=None, progress: bool = False):
             expected = dataclasses.asdict(TrainConfig(**CHAPTER7_TRAINING))
             shape = {k: ckpt["model_config"][k] for k in CHAPTER7_MODEL}
             one_thread = ckpt["extra"].get("threads") == 1  # trained as chapter 7 trains it: the same weights anywhere
-            if ckpt["train_config"] == expected and shape == CHAPTER7_MODEL and one_thread:
+            same_mkl = ckpt["extra"].get("mkl_cbwr") == os.environ.get("MKL_CBWR")  # ... with MKL's same code path
+            if ckpt["train_config"] == expected and shape == CHAPTER7_MODEL and one_thread and same_mkl:
                 return model.eval(), CharTokenizer(ckpt["extra"]["chars"])
         except (ValueError, KeyError, TypeError):
             pass  # a stale or damaged file: train afresh
