@@ -563,3 +563,14 @@ def test_verdicts_are_wrapped_to_the_books_width(monkeypatch, capsys):
     assert lines[0].startswith("❌ Exercise 0.32: a rather long") and lines[1].startswith("   ") and lines[1][3] != " "
     hint = next(i for i, line in enumerate(lines) if line.startswith("   Hint: "))
     assert all(line.startswith("         ") for line in lines[hint + 1:])
+
+
+def test_code_in_backticks_is_not_split_by_the_wrapping(monkeypatch, capsys):
+    monkeypatch.setattr(checking, "MESSAGE_WIDTH", 80)
+
+    def checks():
+        raise NotImplementedError
+
+    run_checks("Exercise 8.2 (top-k filter)", checks)
+    out = capsys.readouterr().out
+    assert "`raise NotImplementedError`" in out and all(len(line) <= 80 for line in out.splitlines()), out

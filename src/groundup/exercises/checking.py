@@ -421,9 +421,11 @@ def _report_url() -> str:
 
 
 def _say(text: str, indent: str = "   ", first: str = "") -> None:
-    """Print ``text`` wrapped to :data:`MESSAGE_WIDTH`, continuation lines indented by ``indent``."""
-    print(textwrap.fill(text, MESSAGE_WIDTH, initial_indent=first, subsequent_indent=indent,
-                        break_long_words=False, break_on_hyphens=False))
+    """Print ``text`` wrapped to :data:`MESSAGE_WIDTH`, continuation lines indented by ``indent``; code in
+    backticks (`raise NotImplementedError`) is kept on one line."""
+    glued = re.sub(r"`[^`]*`", lambda m: m.group(0).replace(" ", "\0"), text)
+    print(textwrap.fill(glued, MESSAGE_WIDTH, initial_indent=first, subsequent_indent=indent,
+                        break_long_words=False, break_on_hyphens=False).replace("\0", " "))
 
 
 def _failed(title: str, what: str, hint: str = "") -> Verdict:
