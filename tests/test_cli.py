@@ -179,7 +179,8 @@ def tiny_run(tmp_path_factory, small_text):
     (["sample", "RUN", "--seed", "9999999999999999999999"],
      "argument --seed: must be an integer from 0 to 2**64 - 1 = 18446744073709551615, got 9999999999999999999999"),
     (["sample", "RUN", "--device", "bogus"], "argument --device: unknown device 'bogus': use cpu, cuda, cuda:N or mps"),
-    (["train", "--out", "OUT", "--threads", "-1"], "argument --threads: must be a positive integer, got -1"),
+    (["train", "--out", "OUT", "--threads", "-1"], "argument --threads: must be an integer from 1 to 1024, got -1"),
+    (["train", "--out", "OUT", "--threads", "100000"], "argument --threads: must be an integer from 1 to 1024"),
     (["train", "--out", "OUT", "--d-model", "-3"], "argument --d-model: must be a positive integer, got -3"),
     (["train", "--out", "OUT", "--dropout", "1"], "argument --dropout: must be a number in [0, 1), got 1"),
     (["train", "--out", "OUT", "--lr", "0"], "argument --lr: must be a number > 0, got 0"),
@@ -229,6 +230,17 @@ def test_absurd_model_sizes_are_refused_before_anything_is_allocated(tmp_path, s
     assert not (tmp_path / "r").exists()
 
 
+def test_too_many_processes_for_the_memory_are_refused_before_any_starts(tmp_path, small_text, capsys):
+    from groundup.footprint import device_memory
+
+    if device_memory() is None:
+        pytest.skip("this system does not report its memory")
+    # each process: PyTorch itself (>= 200 MB) and a copy of the model: 100,000 of them need more than 20 TB
+    assert cli.main(["train", "--text", str(small_text), "--out", str(tmp_path / "r"), "--nproc", "100000"]) == 1
+    err = capsys.readouterr().err
+    assert "; 100000 processes) needs at least" in err and "or fewer processes (--nproc)" in err, err
+
+
 def test_the_training_estimate_counts_adamw_state_and_a_batch_of_logits():
     from groundup.footprint import meta_model, training_bytes
     from groundup.models import GPT, GPTConfig
@@ -254,6 +266,13 @@ def test_text_files_that_are_empty_endless_or_not_text_get_clear_errors(tmp_path
         assert cli.main(["train", "--text", "/dev/zero", "--out", str(tmp_path / "r")]) == 1
         assert "--text /dev/zero is larger than 100 MB" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_out_naming_a_file_is_a_clear_error(tmp_path, small_text, capsys):
+    (tmp_path / "f").write_text("not a folder")
+    assert cli.main(["train", "--text", str(small_text), "--out", str(tmp_path / "f")]) == 1
+    assert capsys.readouterr().err == f"error: --out {tmp_path / 'f'} is a file: give a folder for the run (it is " \
+                                      "created if need be)\n"
 
 
 def test_a_text_too_short_for_the_context_names_both(tmp_path, capsys):
@@ -348,3 +367,12 @@ def test_a_damaged_random_state_in_a_checkpoint_is_refused_on_resume(tmp_path, s
     assert cli.main(["train", "--out", str(out), "--resume", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: {out / CHECKPOINT_NAME} holds a damaged random state (sampler_rng: "), err
+
+
+def test_ctrl_c_in_a_command_without_its_own_handling_exits_130_quietly(monkeypatch, capsys):
+    def interrupted(sections):
+        raise KeyboardInterrupt
+
+    _fake_bench(monkeypatch, interrupted)
+    assert cli.main(["bench"]) == cli.EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err == "\ninterrupted\n"

@@ -200,7 +200,8 @@ def add_train_parser(sub) -> None:
     t.add_argument("--seed", type=flags.seed, help="seed of the initialisation, dropout and batch order (default: 0)")
     t.add_argument("--device", type=flags.device, help="cpu, cuda, cuda:N or mps (default: cuda when available, "
                    "else cpu)")
-    t.add_argument("--threads", type=POSITIVE, help="CPU threads PyTorch may use (default: PyTorch's choice)")
+    t.add_argument("--threads", type=flags.integer(1, 1024),
+                   help="CPU threads PyTorch may use, 1 to 1024 (default: PyTorch's choice)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--nproc", type=int, help="train data-parallel in this many processes, started with torchrun "
                    "(chapter 11); a run may resume with another number (default: 1)")
@@ -393,6 +394,7 @@ def _resumed_run(args, out: Path) -> _Run:
         train_data, val_data = train_val_split(torch.tensor(tokenizer.encode(text), dtype=torch.long), 0.1)
     train_config = TrainConfig(**{**stored, "resume": True, "out_dir": str(out),
                                   "progress": not args.no_progress, "device": args.device})
+    _check_training_size(args, type(model), model.config, train_config)
     return _Run(model, train_data, val_data, train_config, extra, batches, dates=dates,
                 announce=f"resuming {out} at step {ckpt['step']} of {train_config.max_steps}")
 
@@ -462,6 +464,9 @@ def _new_text_run(args, out: Path) -> _Run:
 
 
 _SIZE_FLAGS = ("d_model", "layers", "context", "heads", "batch_size", "positional")
+PROCESS_BYTES = 200 * 10**6
+"""A lower bound on what one more Python process with PyTorch loaded takes before any model (measured: about
+230 MB resident on Linux), counted for each process of ``--nproc``."""
 
 
 def _check_training_size(args, cls, model_config, train_config) -> None:
@@ -478,7 +483,10 @@ def _check_training_size(args, cls, model_config, train_config) -> None:
     what = (f"training this model ({n_params:,} parameters{'; ' + given if given else ''}"
             f"{f'; {nproc} processes' if copies > 1 else ''})")
     advice = "choose smaller values" if given else "choose a smaller --d-model, --layers, --context or --batch-size"
-    check_fits(needed["total"] * copies, what, device=None if cpu else train_config.device, advice=advice)
+    if copies > 1:
+        advice += " or fewer processes (--nproc)"
+    per_process = needed["total"] + (PROCESS_BYTES if nproc > 1 else 0)
+    check_fits(per_process * copies, what, device=None if cpu else train_config.device, advice=advice)
 
 
 def _prepare(args, out: Path) -> _Run:
@@ -584,6 +592,8 @@ def _run_lock(out: Path, distributed: bool, rank: int):
     the launching process holds it for its processes; under a bare ``torchrun``, process 0 takes it. Where
     ``fcntl`` does not exist (Windows) nothing is locked.
     """
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: give a folder for the run (it is created if need be)")
     if distributed and (rank != 0 or os.environ.get(LOCKED_ENV) == str(out.absolute())):
         yield
         return
