@@ -574,3 +574,21 @@ def test_code_in_backticks_is_not_split_by_the_wrapping(monkeypatch, capsys):
     run_checks("Exercise 8.2 (top-k filter)", checks)
     out = capsys.readouterr().out
     assert "`raise NotImplementedError`" in out and all(len(line) <= 80 for line in out.splitlines()), out
+
+
+def test_ctrl_c_while_the_readers_function_runs_stops_it_and_the_cell(capsys):
+    stopped = threading.Event()
+
+    def slow(x):
+        try:
+            while True:
+                time.sleep(0.01)
+        finally:
+            stopped.set()
+
+    timer = threading.Timer(0.3, signal.pthread_kill, args=(threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        run_checks("Exercise 0.33", _square_checks(slow))
+    assert stopped.wait(5), "the reader's function was stopped too"
+    assert sys._current_frames is sandbox._REAL["_current_frames"]

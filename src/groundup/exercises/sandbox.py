@@ -180,13 +180,13 @@ def _spend(seconds: float) -> None:
 _GRACE = 1.0  # seconds of injected CheckerTimeouts before a worker is left behind
 
 
-def _stop(worker: threading.Thread, exc: type[BaseException]) -> bool:
-    """Inject ``exc`` into ``worker`` until it ends (true) or :data:`_GRACE` seconds passed (false)."""
+def _stop(worker: threading.Thread, done: threading.Event, exc: type[BaseException]) -> bool:
+    """Inject ``exc`` into ``worker`` until it is ``done`` (true) or :data:`_GRACE` seconds passed (false)."""
     deadline = time.perf_counter() + _GRACE
-    while worker.is_alive() and time.perf_counter() < deadline:
+    while not done.is_set() and time.perf_counter() < deadline:
         _async_raise(worker.ident, exc)
-        worker.join(0.01)
-    return not worker.is_alive()
+        done.wait(0.01)
+    return done.is_set()
 
 
 class _Alarm:
@@ -228,16 +228,16 @@ def _in_thread(checks: Callable[[], None], seconds: float) -> None:
 
     def work():
         try:
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(grad), budget(seconds):  # the budget is per thread: carry it over
                 checks()
         except BaseException as err:  # noqa: BLE001 -- handed to the calling thread
             outcome["error"] = err
 
-    worker = threading.Thread(target=work, name="groundup-checker", daemon=True)
+    done = threading.Event()
+    worker = threading.Thread(target=_signalling(work, done), name="groundup-checker", daemon=True)
     worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
-        _stop(worker, CheckerTimeout)
+    if not done.wait(seconds + 2 * _GRACE):  # the judge's own calls give up after seconds + _GRACE
+        _stop(worker, done, CheckerTimeout)
         raise CheckerTimeout(seconds)
     if "error" in outcome:
         raise outcome["error"]
@@ -253,7 +253,7 @@ def bounded(checks: Callable[[], None], seconds: float | None) -> None:
             with _Alarm(seconds):
                 checks()
         else:
-            _in_thread(checks, seconds + _GRACE + 1.0)
+            _in_thread(checks, seconds)
 
 
 # ---- what the reader's function may patch ------------------------------------------------------------------------
@@ -328,22 +328,34 @@ def _nothing(*args, **kwargs):
     return []
 
 
-def _hide_judge() -> list[tuple[object, str, object]]:
+_SWAPPED: dict[tuple[int, str], tuple[object, str, object]] = {}  # (id(owner), name) -> the true original
+
+
+def _swap(owner, name: str, stand_in: Callable[[object], object]) -> tuple[int, str]:
+    """Set ``owner.name`` to ``stand_in(original)``, remembering the true original even if a call that was left
+    behind still has it swapped; return the key :func:`_put_back` takes."""
+    key = (id(owner), name)
+    if key not in _SWAPPED:
+        _SWAPPED[key] = (owner, name, getattr(owner, name))
+    setattr(owner, name, stand_in(_SWAPPED[key][2]))
+    return key
+
+
+def _put_back(keys: list[tuple[int, str]]) -> None:
+    for key in keys:
+        entry = _SWAPPED.pop(key, None)
+        if entry is not None:
+            setattr(*entry)
+
+
+def _hide_judge() -> list[tuple[int, str]]:
     """Switch off the ways from the reader's code to other threads' frames and to arbitrary objects; return what
     :func:`_put_back` needs to switch them on again."""
     names = [(sys, "_current_frames", _only_this_thread), (gc, "get_objects", _nothing),
              (gc, "get_referrers", _nothing), (gc, "get_referents", _nothing)]
     if hasattr(sys, "_current_exceptions"):
         names.append((sys, "_current_exceptions", dict))
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in names]
-    for owner, name, stand_in in names:
-        setattr(owner, name, stand_in)
-    return saved
-
-
-def _put_back(saved: list[tuple[object, str, object]]) -> None:
-    for owner, name, original in saved:
-        setattr(owner, name, original)
+    return [_swap(owner, name, lambda original, new=stand_in: new) for owner, name, stand_in in names]
 
 
 # ---- tripwires for the package's own solutions ------------------------------------------------------------------
@@ -378,18 +390,16 @@ def _check_forbid(forbid: Iterable) -> tuple:
     return forbid
 
 
-def _set_tripwires(forbid: tuple) -> list[tuple[object, str, object]]:
+def _set_tripwires(forbid: tuple) -> list[tuple[int, str]]:
     """Swap each forbidden function for a tripwire; return what :func:`_put_back` needs to undo it."""
-    saved = []
+    keys = []
     for item in forbid:
         if isinstance(item, Forbidden):
-            original = getattr(item.owner, item.attribute)
-            saved.append((item.owner, item.attribute, original))
-            setattr(item.owner, item.attribute, _conditional_tripwire(original, item))
+            keys.append(_swap(item.owner, item.attribute, lambda original, i=item: _conditional_tripwire(original, i)))
         else:  # a plain function: its code is swapped, so every reference to it is caught
-            saved.append((item, "__code__", item.__code__))
-            item.__code__ = _tripwire_template.__code__.replace(co_name=_label(item))
-    return saved
+            code = _tripwire_template.__code__.replace(co_name=_label(item))
+            keys.append(_swap(item, "__code__", lambda original, c=code: c))
+    return keys
 
 
 def _conditional_tripwire(original: Callable, item: Forbidden) -> Callable:
@@ -404,6 +414,21 @@ def _conditional_tripwire(original: Callable, item: Forbidden) -> Callable:
 
 
 # ---- one call of the reader's function --------------------------------------------------------------------------
+
+
+def _signalling(body: Callable[[], None], done: threading.Event) -> Callable[[], None]:
+    """``body`` that sets ``done`` when it ends, however it ends. (The caller waits on ``done``, not on
+    ``Thread.join``: a join that Ctrl-C interrupts marks a running thread as stopped in Python 3.11.)"""
+
+    def run():
+        try:
+            body()
+        finally:
+            while not done.is_set():
+                with contextlib.suppress(BaseException):
+                    done.set()
+
+    return run
 
 
 def _run(fn: Callable, args: tuple, kwargs: dict, outcome: Outcome, grad: bool, profile: Callable | None) -> None:
@@ -430,8 +455,10 @@ def call(fn: Callable, args: tuple, kwargs: dict, forbid: Iterable = ()) -> Outc
     outcome = Outcome()
     snapshot = Snapshot()
     dtype = torch.get_default_dtype()
-    worker = threading.Thread(target=_run, name="groundup-reader", daemon=True,
-                              args=(fn, args, kwargs, outcome, torch.is_grad_enabled(), sys.getprofile()))
+    done = threading.Event()
+    grad, profile = torch.is_grad_enabled(), sys.getprofile()
+    worker = threading.Thread(target=_signalling(lambda: _run(fn, args, kwargs, outcome, grad, profile), done),
+                              name="groundup-reader", daemon=True)
     seconds = _seconds_left()
     saved: list = []
     _TRIPPED[:] = [outcome]
@@ -441,18 +468,19 @@ def call(fn: Callable, args: tuple, kwargs: dict, forbid: Iterable = ()) -> Outc
         saved += _hide_judge()
         worker.start()
         try:
-            worker.join(seconds)
+            finished = done.wait(seconds)
         except BaseException as err:  # Ctrl-C, or the bound on the judge itself, while the reader's code runs
-            _stop(worker, KeyboardInterrupt if isinstance(err, KeyboardInterrupt) else CheckerTimeout)
+            _stop(worker, done, KeyboardInterrupt if isinstance(err, KeyboardInterrupt) else CheckerTimeout)
             raise
-        if worker.is_alive():
+        if not finished:
             outcome.timed_out = True
-            outcome.abandoned = not _stop(worker, CheckerTimeout)
+            outcome.abandoned = not _stop(worker, done, CheckerTimeout)
     finally:
         outcome.seconds = time.perf_counter() - start
         _spend(outcome.seconds)
         _put_back(saved[::-1])
         torch.set_default_dtype(dtype)
         outcome.patched = snapshot.restore()
-        _TRIPPED.clear()
+        if _TRIPPED and _TRIPPED[0] is outcome:
+            _TRIPPED.clear()
     return outcome
