@@ -10,12 +10,12 @@ The book promises that the verdict is right, so a checker should:
 
 1. compute every expected value *before* it calls the reader's function;
 2. call the reader's function through :func:`call_reader`, which hands it deep copies of the arguments, runs it
-   out of the judge's reach (see :mod:`groundup.exercises.sandbox`: its own stack, a time bound that a reader's
-   ``except BaseException`` cannot hold, patches of torch and of the book put back, tripwires on the package's
-   own solution named in ``forbid``), reports an argument the function changed in place, turns a crash of the
-   reader's code into a :class:`ReaderError` (never mistaken for a crash of the checker), accepts only plain
-   dense real tensors on the CPU (no subclass, no sparse, meta or complex tensor) and checks the type of what
-   came back;
+   out of the judge's reach (see :mod:`groundup.exercises.sandbox`: a thread of its own, a time bound whose
+   verdict comes on time even when the reader's code catches ``BaseException``, patches of torch and of the book
+   put back, tripwires on the package's own solution named in ``forbid``), reports an argument the function
+   changed in place, turns a crash of the reader's code into a :class:`ReaderError` (never mistaken for a crash
+   of the checker), accepts only plain dense real tensors on the CPU (no subclass, no sparse, meta or complex
+   tensor) and checks the type of what came back;
 3. compare with :func:`expect_close`, whose tolerance widens to fit a float32 / float16 answer, and cast to one
    dtype before any comparison in hint code (``torch.allclose`` of a float32 and a float64 tensor raises).
 
