@@ -60,6 +60,7 @@ from groundup.seq2seq import (
 from groundup.seq2seq import batches as seq2seq_batches
 from groundup.tokenizers import CharTokenizer
 from groundup.training import CHECKPOINT_NAME, TrainConfig, load_checkpoint, train
+from groundup.utils import default_device
 
 TOKENIZER_NAME = "tokenizer.json"
 SOURCE_TOKENIZER_NAME, TARGET_TOKENIZER_NAME = "source_tokenizer.json", "target_tokenizer.json"
@@ -474,8 +475,8 @@ def _check_training_size(args, cls, model_config, train_config) -> None:
     shape = meta_model(cls, model_config)
     needed = training_bytes(shape, train_config.batch_size, model_config.context_length)
     nproc = getattr(args, "nproc", None) or 1
-    cpu = train_config.device is None and not torch.cuda.is_available() or \
-        train_config.device is not None and torch.device(train_config.device).type == "cpu"
+    device = torch.device(train_config.device) if train_config.device else default_device()
+    cpu = device.type == "cpu"
     copies = nproc if cpu else 1  # every process holds a copy; on GPUs each its own GPU
     given = " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in _SIZE_FLAGS
                      if getattr(args, k, None) is not None)
@@ -486,7 +487,7 @@ def _check_training_size(args, cls, model_config, train_config) -> None:
     if copies > 1:
         advice += " or fewer processes (--nproc)"
     per_process = needed["total"] + (PROCESS_BYTES if nproc > 1 else 0)
-    check_fits(per_process * copies, what, device=None if cpu else train_config.device, advice=advice)
+    check_fits(per_process * copies, what, device=device, advice=advice)
 
 
 def _prepare(args, out: Path) -> _Run:
@@ -719,8 +720,6 @@ def add_sample_parser(sub) -> None:
 
 def _sample_device(args) -> torch.device:
     """``--device``, or the best device present (CUDA when there is one)."""
-    from groundup.utils import default_device
-
     return torch.device(args.device) if args.device else default_device()
 
 
