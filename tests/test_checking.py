@@ -592,3 +592,18 @@ def test_ctrl_c_while_the_readers_function_runs_stops_it_and_the_cell(capsys):
         run_checks("Exercise 0.33", _square_checks(slow))
     assert stopped.wait(5), "the reader's function was stopped too"
     assert sys._current_frames is sandbox._REAL["_current_frames"]
+
+
+def test_a_patch_made_before_the_check_is_lifted_while_it_runs_and_put_back_after(capsys):
+    original = torch.allclose
+
+    def lenient(*args, **kwargs):
+        return True
+
+    torch.allclose = lenient  # a notebook cell run before the check
+    try:
+        assert not run_checks("Exercise 0.34", _square_checks(lambda x: torch.zeros(3)))
+        assert "largest difference from the expected values is 9" in capsys.readouterr().out
+        assert torch.allclose is lenient, "the reader's own patch is theirs again after the check"
+    finally:
+        torch.allclose = original

@@ -457,14 +457,15 @@ def run_checks(title: str, checks: Callable[[], None], success: str = "", *,
     the reader's code may run, summed over its calls (:func:`groundup.exercises.sandbox.bounded`; the reader's
     function runs in a worker thread). Ctrl-C / the notebook's interrupt button stops the cell. Global state
     is restored afterwards; a patch of torch or of the book that the reader's code made while the checker ran
-    (from a thread of its own, say) voids the verdict and is put back.
+    (from a thread of its own, say) voids the verdict and is put back, and one made before the check is lifted
+    while it runs (:func:`groundup.exercises.sandbox.pristine`).
     """
     seconds = DEFAULT_TIMEOUT if timeout is None else timeout
-    snapshot = sandbox.Snapshot()
     try:
-        with _restored_global_state():
+        with sandbox.pristine(), _restored_global_state():
+            snapshot = sandbox.Snapshot()
             sandbox.bounded(checks, seconds if seconds > 0 else None)
-        patched = snapshot.restore()
+            patched = snapshot.restore()
         if patched:
             return _failed(title, "your code replaced " + ", ".join(sorted(set(patched))[:5]) + " while the "
                            "checker ran, so the verdict cannot be trusted (the originals are back)",

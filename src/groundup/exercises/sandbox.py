@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["CheckerTimeout", "Forbidden", "Outcome", "PackageCall", "Snapshot", "bounded", "budget", "call",
-           "is_reader_file", "raised_in_reader_code"]
+           "is_reader_file", "pristine", "raised_in_reader_code"]
 
 
 class CheckerTimeout(BaseException):
@@ -267,11 +267,12 @@ def _everything(key: str, value) -> bool:
     return not isinstance(value, types.ModuleType)
 
 
-def _guarded() -> list[tuple[object, Callable, bool]]:
-    """(namespace, which of its entries are guarded, whether entries the reader added are removed)."""
+def _guarded(book: bool = True) -> list[tuple[object, Callable, bool]]:
+    """(namespace, which of its entries are guarded, whether entries the reader added are removed); the groundup
+    modules and their classes too with ``book``."""
     guarded = [(m, _public, False) for m in (torch, F, torch.linalg, torch.special, math, operator, builtins)]
     guarded += [(torch.Tensor, _everything, True), (torch.nn.Module, _everything, True)]
-    for name, module in list(sys.modules.items()):
+    for name, module in list(sys.modules.items()) if book else ():
         if module is None or not (name == "groundup" or name.startswith("groundup.")):
             continue
         guarded.append((module, _everything, True))
@@ -284,8 +285,8 @@ def _guarded() -> list[tuple[object, Callable, bool]]:
 class Snapshot:
     """The guarded namespaces' contents now; :meth:`restore` puts them back and names what had changed."""
 
-    def __init__(self):
-        self.entries = [(ns, pick, strict, dict(vars(ns))) for ns, pick, strict in _guarded()]
+    def __init__(self, book: bool = True):
+        self.entries = [(ns, pick, strict, dict(vars(ns))) for ns, pick, strict in _guarded(book)]
 
     def restore(self) -> list[str]:
         changed = []
@@ -312,6 +313,22 @@ _RUNTIME_CACHES = {"__slotnames__"}  # what Python itself adds to a class (copy.
 
 def _name(namespace, key: str) -> str:
     return f"{getattr(namespace, '__name__', type(namespace).__name__)}.{key}"
+
+
+_PRISTINE = Snapshot(book=False)  # torch's functions when the checkers were imported (the book's still load)
+
+
+@contextlib.contextmanager
+def pristine():
+    """Within the block, torch's guarded functions are as they were when the checkers were imported: a patch the
+    reader made before the check (a notebook cell that replaced ``torch.allclose``) is lifted for the check and
+    put back after it."""
+    users = Snapshot()
+    _PRISTINE.restore()
+    try:
+        yield
+    finally:
+        users.restore()
 
 
 # ---- keeping the judge out of reach -----------------------------------------------------------------------------
