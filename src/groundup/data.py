@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import numbers
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -433,6 +434,38 @@ def load_corpus(name: str = "shakespeare", *, cache_dir: str | os.PathLike | Non
     of a killed download is removed by a later call. Problems with the cache folder raise :class:`CorpusError`.
     """
     return locate_corpus(name, cache_dir=cache_dir)[0]
+
+
+WORK_JOINER = "\n\n"
+"""What :func:`shakespeare_text_from_archive` puts between two works."""
+_WORK_START = re.compile(r"^[^\n]+\n\n?by William Shakespeare$", re.MULTILINE)  # each work's title page
+
+
+def shakespeare_works(text: str | None = None, *, cache_dir: str | os.PathLike | None = None) -> dict[str, str]:
+    """The works of the ``"shakespeare"`` corpus by title, in corpus order: ``{"ALL'S WELL THAT ENDS WELL": ...}``.
+
+    Every Gutenberg work opens with its title line, (mostly) an empty line and "by William Shakespeare"; the corpus
+    is the works joined by an empty line (:data:`WORK_JOINER`), so ``WORK_JOINER.join(works.values())`` gives the
+    corpus back exactly. ``text`` (default: ``load_corpus("shakespeare", cache_dir=cache_dir)``, 42 works) must
+    start with a title page; a title that occurs twice raises ``ValueError``.
+    """
+    if text is None:
+        text = load_corpus("shakespeare", cache_dir=cache_dir)
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str (the shakespeare corpus), got {type(text).__name__}")
+    starts = [m.start() for m in _WORK_START.finditer(text)]
+    if not starts or starts[0] != 0:
+        raise ValueError("text must begin with a work's title page: a title line, an empty line and 'by William "
+                         "Shakespeare' (as the shakespeare corpus does)")
+    works = {}
+    for begin, end in zip(starts, starts[1:] + [len(text) + len(WORK_JOINER)]):
+        if text[end - len(WORK_JOINER):end] != WORK_JOINER and end <= len(text):
+            raise ValueError(f"the work starting at character {end} is not preceded by an empty line")
+        title = text[begin:text.index("\n", begin)]
+        if title in works:
+            raise ValueError(f"the title {title!r} occurs twice in text")
+        works[title] = text[begin:end - len(WORK_JOINER)]
+    return works
 
 
 # ---- model files: large binary assets, streamed and verified, never read whole into memory ----------------------

@@ -208,6 +208,32 @@ class GPT(nn.Module):
         already cached, for generation with a KV cache.
         """
         c = self.config
+        logits = self.unembedding(self.hidden_states(idx, cache=cache))  # logits_i = U x_i^(n_L)
+
+        loss = None
+        if targets is not None:
+            _check_targets(targets, idx, "idx")
+            try:
+                loss = F.cross_entropy(logits.reshape(-1, c.vocab_size), targets.reshape(-1).long())
+            except IndexError as err:  # the kernel's own range check ("Target 300 is out of bounds.")
+                raise ValueError(f"targets must lie in [0, {c.vocab_size - 1}] (vocab_size={c.vocab_size}) or be "
+                                 f"-100 (ignored): {err}") from None
+            # Every target ignored: the mean over no positions is 0/0 = nan. Checked only when the loss is nan
+            # and only on the CPU, where it costs nothing (on a GPU it would wait for the device every step).
+            if loss.device.type == "cpu" and torch.isnan(loss) and bool((targets == -100).all()):
+                raise ValueError("every target is -100 (ignored): the mean loss over no positions is undefined; "
+                                 "give at least one target in [0, vocab_size)")
+        return logits, loss
+
+    def hidden_states(self, idx: torch.Tensor, *, cache: list[KVCache] | None = None) -> torch.Tensor:
+        """The final hidden states ``(batch, seq, d_model)`` for token ids ``idx (batch, seq)``.
+
+        The vectors the unembedding reads, after the final norm (Pre-LN) or the last block's norm (Post-LN):
+        ``forward``'s logits are ``unembedding(hidden_states(idx))``. A task head (chapter 13's
+        :class:`~groundup.classification.ClassifierHead`) reads them instead of the logits. ``cache`` as in
+        :meth:`forward`.
+        """
+        c = self.config
         if not isinstance(idx, torch.Tensor):
             raise TypeError(f"idx must be a torch.Tensor of integer token ids, got {type(idx).__name__}")
         if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
@@ -239,22 +265,7 @@ class GPT(nn.Module):
         for layer, block in enumerate(self.blocks):
             x = block(x, attn_bias=attn_bias, rotary=rotary, positions=positions, is_causal=self.causal,
                       cache=None if cache is None else cache[layer])  # is_causal: causal_mask(n, n_keys=total)
-        logits = self.unembedding(self.final_norm(x))  # logits_i = U x_i^(n_L)
-
-        loss = None
-        if targets is not None:
-            _check_targets(targets, idx, "idx")
-            try:
-                loss = F.cross_entropy(logits.reshape(-1, c.vocab_size), targets.reshape(-1).long())
-            except IndexError as err:  # the kernel's own range check ("Target 300 is out of bounds.")
-                raise ValueError(f"targets must lie in [0, {c.vocab_size - 1}] (vocab_size={c.vocab_size}) or be "
-                                 f"-100 (ignored): {err}") from None
-            # Every target ignored: the mean over no positions is 0/0 = nan. Checked only when the loss is nan
-            # and only on the CPU, where it costs nothing (on a GPU it would wait for the device every step).
-            if loss.device.type == "cpu" and torch.isnan(loss) and bool((targets == -100).all()):
-                raise ValueError("every target is -100 (ignored): the mean loss over no positions is undefined; "
-                                 "give at least one target in [0, vocab_size)")
-        return logits, loss
+        return self.final_norm(x)
 
 
 @dataclass

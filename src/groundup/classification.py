@@ -1,0 +1,346 @@
+"""Sequence classification (chapter 13): which play does a passage of Shakespeare come from?
+
+    train, test = play_passages()                       # 64-character passages of 4 plays, split by scene
+    majority_accuracy(train, test)                      # the floor: always answer the commonest play
+    ngram_baseline(train, test).accuracy                # bag of character 1-3-grams + logistic regression
+    head = ClassifierHead(gpt, n_classes=len(train.classes))   # pools the body's final hidden states
+    logits = head(ids)                                  # (batch, n_classes)
+
+The task is built deterministically from :func:`groundup.data.shakespeare_works`. Passages are cut from the
+spoken text only (speaker names and stage directions removed: "HAMLET." above a speech would give the answer
+away), and whole scenes go to one split or the other, never a passage of one scene to both, so a test passage
+shares no text, and no scene, with the training passages.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import random
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEFAULT_PLAYS = ("HAMLET, PRINCE OF DENMARK", "MACBETH", "A MIDSUMMER NIGHT'S DREAM", "THE TEMPEST")
+"""Four plays readers know: two tragedies, two comedies with spirits and magic."""
+
+_HEADING = re.compile(r"^\s*(ACT|Act|SCENE|Scene)\s+([IVXLC]+|\d+)\b.*$", re.MULTILINE)  # "ACT I.", "Scene II. ..."
+_STAGE_DIRECTION = re.compile(r"[\[{][^\]]*\]")  # "[Enter Horatio and Marcellus.]", over lines; a typo's "{...]"
+_NAME_WORD = re.compile(r"[A-Z][A-Za-z'.,-]*|and|of|the|&")  # "Ber.", "KING.", "First Lord.", "Mar. and Ber."
+MAX_SPEAKER_CHARS = 40
+
+
+# ---- the task: passages of k plays, split by scene ------------------------------------------------------------
+
+def play_scenes(work: str) -> list[str]:
+    """The text of each act or scene of a play, in order: the parts between its "ACT ..." / "SCENE ..." headings.
+
+    Whatever precedes the first heading (title, cast list) is dropped. A work without headings (a poem) has none.
+    """
+    heads = list(_HEADING.finditer(work))
+    return [work[h.end():nxt.start() if nxt else len(work)] for h, nxt in zip(heads, heads[1:] + [None])]
+
+
+def _paragraphs(text: str) -> list[list[str]]:
+    """The non-empty lines of each paragraph (paragraphs are separated by empty lines); stage directions removed.
+
+    A paragraph left holding a "]" is the end of a direction whose "[" was misplaced in the source: dropped too.
+    """
+    paragraphs = (p.split("\n") for p in re.split(r"\n\s*\n", _STAGE_DIRECTION.sub("", text)) if "]" not in p)
+    return [lines for lines in ([ln.rstrip() for ln in p if ln.strip()] for p in paragraphs) if lines]
+
+
+def _looks_like_speaker(line: str) -> bool:
+    line = line.strip()
+    shouted = line.upper() == line and sum(c.isalpha() for c in line) >= 2  # "THESEUS" (no full stop)
+    return (len(line) <= MAX_SPEAKER_CHARS and (line.endswith(".") or shouted)
+            and all(_NAME_WORD.fullmatch(word) for word in line.split()))
+
+
+def speaker_names(work: str) -> set[str]:
+    """The speaker headings in a play's text: short capitalised lines ending in a full stop ("Ber.", "First Lord.")
+    or in capitals ("THESEUS") that open a paragraph of several lines (a heading above its speech)."""
+    return {lines[0].strip() for lines in _paragraphs(work) if len(lines) > 1 and _looks_like_speaker(lines[0])}
+
+
+def spoken_text(scene: str, *, names: set[str] | None = None) -> str:
+    """The words spoken in ``scene``: stage directions ``[...]`` and speaker headings removed, one line per line.
+
+    A paragraph's first line is a speaker heading if it is one of ``names`` (default: :func:`speaker_names` of the
+    scene itself; pass the whole play's, which also catches a heading standing alone above an indented song).
+    """
+    names = speaker_names(scene) if names is None else names
+    lines = []
+    for par_lines in _paragraphs(scene):
+        lines.extend(par_lines[1:] if par_lines[0].strip() in names else par_lines)
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Passages:
+    """Labelled passages: ``texts[i]`` comes from play ``classes[labels[i]]``, scene ``sections[i]``."""
+
+    texts: tuple[str, ...]
+    labels: tuple[int, ...]
+    sections: tuple[str, ...]  # "MACBETH #3": the play and the index of the scene in play_scenes
+    classes: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def counts(self) -> list[int]:
+        """The number of passages of each class."""
+        counts = Counter(self.labels)
+        return [counts[c] for c in range(len(self.classes))]
+
+
+def _check_fraction(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value < 1.0:
+        raise ValueError(f"{name} must be a number in (0, 1), got {value!r}")
+    return float(value)
+
+
+def _held_out_scenes(sizes: list[int], fraction: float, seed: str) -> set[int]:
+    """Scenes taken in a seeded random order until they hold ``fraction`` of the characters (>= 1, < all)."""
+    order = list(range(len(sizes)))
+    random.Random(seed).shuffle(order)
+    held, total = set(), 0
+    for index in order[:-1]:
+        if held and total >= fraction * sum(sizes):
+            break
+        held.add(index)
+        total += sizes[index]
+    return held
+
+
+def play_passages(plays: Sequence[str] = DEFAULT_PLAYS, *, passage_chars: int = 64, test_fraction: float = 0.25,
+                  seed: int = 0, speakers: bool = False, text: str | None = None,
+                  cache_dir=None) -> tuple[Passages, Passages]:
+    """The which-play task: ``(train, test)`` passages of ``passage_chars`` characters from ``plays``.
+
+    Each play's scenes (:func:`play_scenes` with spoken text) are shuffled with ``random.Random(f"{seed}:{title}")``
+    and held out in that order until the held-out scenes hold ``test_fraction`` of the play's spoken characters (at
+    least one scene, and at least one left for training); every scene's spoken text (:func:`spoken_text`) is cut
+    into consecutive, non-overlapping passages of exactly ``passage_chars`` characters (a shorter remainder is
+    dropped). Passages are ordered by play, scene, position; ``sections`` name the scene by its index among the
+    play's scenes with spoken text. ``speakers=True`` keeps the speaker headings (an easier task: the names
+    give the play away).
+    The same arguments give the same passages on every machine. ``text``: the corpus (default: the
+    ``"shakespeare"`` corpus from ``cache_dir``), as :func:`groundup.data.shakespeare_works` reads it.
+    """
+    from groundup.data import WORK_JOINER, shakespeare_works
+
+    if isinstance(passage_chars, bool) or not isinstance(passage_chars, numbers.Integral) or passage_chars < 1:
+        raise ValueError(f"passage_chars must be a positive integer, got {passage_chars!r}")
+    test_fraction = _check_fraction("test_fraction", test_fraction)
+    if isinstance(plays, str) or len(plays) < 2 or len(set(plays)) != len(plays):
+        raise ValueError(f"plays must be at least two different titles, got {plays!r}")
+    works = shakespeare_works(text, cache_dir=cache_dir)
+    unknown = [p for p in plays if p not in works]
+    if unknown:
+        raise ValueError(f"plays {unknown} are not titles of the corpus; its titles are {list(works)}")
+    splits = {"train": ([], [], []), "test": ([], [], [])}
+    for label, title in enumerate(plays):
+        scenes = play_scenes(works[title])
+        names = set() if speakers else speaker_names(WORK_JOINER.join(scenes))  # not the cast list's lines
+        scenes = [spoken_text(scene, names=names) for scene in scenes]
+        scenes = [scene for scene in scenes if scene]  # an "ACT II" heading right above "SCENE 1" has no text
+        if len(scenes) < 2:
+            raise ValueError(f"{title!r} has {len(scenes)} scenes with spoken text; a play needs at least two to "
+                             "split (poems have no act or scene headings)")
+        held_out = _held_out_scenes([len(scene) for scene in scenes], test_fraction, f"{seed}:{title}")
+        for index, spoken in enumerate(scenes):
+            texts, labels, sections = splits["test" if index in held_out else "train"]
+            for start in range(0, len(spoken) - passage_chars + 1, passage_chars):
+                texts.append(spoken[start:start + passage_chars])
+                labels.append(label)
+                sections.append(f"{title} #{index}")
+    classes = tuple(plays)
+    train, test = (Passages(tuple(t), tuple(la), tuple(s), classes) for t, la, s in splits.values())
+    return train, test
+
+
+def encode_passages(passages: Passages, tokenizer, *, pad_id: int = 0):
+    """Token ids of the passages, right-padded with ``pad_id``: ``(ids (n, L), lengths (n,), labels (n,))``.
+
+    With a character tokenizer every passage has the same length and nothing is padded.
+    """
+    encoded = [tokenizer.encode(t) for t in passages.texts]
+    if any(len(e) == 0 for e in encoded):
+        raise ValueError("a passage encodes to no tokens")
+    lengths = torch.tensor([len(e) for e in encoded])
+    ids = torch.full((len(encoded), int(lengths.max())), pad_id, dtype=torch.long)
+    for row, e in enumerate(encoded):
+        ids[row, :len(e)] = torch.tensor(e)
+    return ids, lengths, torch.tensor(passages.labels)
+
+
+# ---- honest baselines ----------------------------------------------------------------------------------------
+
+def majority_accuracy(train: Passages, test: Passages) -> float:
+    """Test accuracy of always answering the class most frequent in ``train`` (ties: the first such class)."""
+    counts = train.counts()
+    guess = counts.index(max(counts))
+    return sum(label == guess for label in test.labels) / len(test)
+
+
+def char_ngrams(text: str, orders: Sequence[int] = (1, 2, 3)) -> Counter:
+    """Counts of the character n-grams of ``text`` for every n in ``orders``."""
+    return Counter(text[i:i + n] for n in orders for i in range(len(text) - n + 1))
+
+
+@dataclass
+class NgramClassifier:
+    """A bag of character n-grams, log(1 + count) features, and a multinomial logistic regression (L2)."""
+
+    vocab: dict[str, int]
+    orders: tuple[int, ...]
+    weight: torch.Tensor  # (n_classes, n_features)
+    bias: torch.Tensor  # (n_classes,)
+    accuracy: float | None = None  # on the test passages ngram_baseline was given
+
+    def features(self, texts: Sequence[str]) -> torch.Tensor:
+        """``log(1 + count)`` of each vocabulary n-gram in each text: ``(len(texts), n_features)``, float64."""
+        rows, cols, values = [], [], []
+        for row, text in enumerate(texts):
+            for gram, count in char_ngrams(text, self.orders).items():
+                col = self.vocab.get(gram)
+                if col is not None:
+                    rows.append(row)
+                    cols.append(col)
+                    values.append(math.log1p(count))
+        x = torch.zeros(len(texts), len(self.vocab), dtype=torch.float64)
+        x[rows, cols] = torch.tensor(values, dtype=torch.float64)
+        return x
+
+    def predict(self, texts: Sequence[str]) -> torch.Tensor:
+        """The most probable class of each text."""
+        return (self.features(texts) @ self.weight.T + self.bias).argmax(dim=1)
+
+
+def fit_logistic_regression(x: torch.Tensor, y: torch.Tensor, n_classes: int, *, l2: float = 1e-3,
+                            max_iter: int = 200) -> tuple[torch.Tensor, torch.Tensor]:
+    """Minimise ``mean cross-entropy(x W^T + b, y) + l2/2 |W|^2`` with L-BFGS (float64); return ``(W, b)``.
+
+    The objective is strictly convex in ``W`` (for ``l2 > 0``), so the answer does not depend on the start.
+    """
+    w = torch.zeros(n_classes, x.shape[1], dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(n_classes, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, tolerance_grad=1e-10, tolerance_change=1e-14,
+                            history_size=20, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(x @ w.T + b, y) + 0.5 * l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return w.detach(), b.detach()
+
+
+def ngram_baseline(train: Passages, test: Passages | None = None, *, orders: Sequence[int] = (1, 2, 3),
+                   max_features: int = 2000, l2: float = 1e-3, max_iter: int = 200) -> NgramClassifier:
+    """The bag-of-character-n-grams baseline, fitted on ``train`` (and its accuracy on ``test`` if given).
+
+    The vocabulary is the ``max_features`` n-grams most frequent in the training passages (ties broken by the
+    n-gram's text, so it is deterministic); features are ``log(1 + count)``; the classifier is the logistic
+    regression of :func:`fit_logistic_regression`. No word order beyond n characters, no pretraining: the floor a
+    transformer must beat.
+    """
+    orders = tuple(orders)
+    if not orders or not all(isinstance(n, int) and n >= 1 for n in orders):
+        raise ValueError(f"orders must be positive integers such as (1, 2, 3), got {orders!r}")
+    totals = Counter()
+    for text in train.texts:
+        totals.update(char_ngrams(text, orders))
+    kept = sorted(totals, key=lambda g: (-totals[g], g))[:max_features]
+    model = NgramClassifier({g: i for i, g in enumerate(kept)}, orders, torch.empty(0), torch.empty(0))
+    model.weight, model.bias = fit_logistic_regression(model.features(train.texts), torch.tensor(train.labels),
+                                                       len(train.classes), l2=l2, max_iter=max_iter)
+    if test is not None:
+        model.accuracy = (model.predict(test.texts) == torch.tensor(test.labels)).double().mean().item()
+    return model
+
+
+# ---- a classification head on a pretrained body ---------------------------------------------------------------
+
+POOLINGS = ("last", "mean", "first")
+
+
+class ClassifierHead(nn.Module):
+    """A linear classifier on a body's pooled final hidden states: ``head(ids) -> logits (batch, n_classes)``.
+
+    ``body`` is a :class:`~groundup.models.GPT` or :class:`~groundup.models.MaskedLM` (anything with
+    ``hidden_states(ids)``). ``pooling`` turns the states ``(batch, seq, d_model)`` into one vector per sequence:
+
+    * ``"last"`` (default for a causal body, a GPT): the last token's state, the only position that has attended
+      to the whole passage (Radford et al. 2018 classify from the last token's state in the same way).
+    * ``"mean"`` (default for a bidirectional body, the masked LM): the mean over positions. Every position of a
+      masked LM has seen the whole passage, but none was trained to summarise it: chapter 9's model has no [CLS]
+      token whose state pre-training shaped into a summary, so averaging uses every position's evidence.
+    * ``"first"``: the first position's state (BERT's [CLS] choice; meaningful after fine-tuning only).
+
+    ``lengths`` (batch,) gives each sequence's length when right-padded: pooling then ignores the padding. A
+    causal body's states at real positions never see the padding; a bidirectional body's do, so it refuses padded
+    batches (give it equal-length passages). The linear layer starts at zero: the head's first predictions are
+    uniform (loss ln n_classes), whatever the body.
+    """
+
+    def __init__(self, body: nn.Module, n_classes: int, *, pooling: str | None = None, dropout: float = 0.0):
+        super().__init__()
+        if not hasattr(body, "hidden_states") or not hasattr(body, "config"):
+            raise TypeError(f"body must be a GPT or MaskedLM (with hidden_states), got {type(body).__name__}")
+        if isinstance(n_classes, bool) or not isinstance(n_classes, numbers.Integral) or n_classes < 2:
+            raise ValueError(f"n_classes must be an integer >= 2, got {n_classes!r}")
+        causal = getattr(body, "causal", True)
+        pooling = ("last" if causal else "mean") if pooling is None else pooling
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        self.body, self.pooling, self.causal = body, pooling, causal
+        self.dropout = nn.Dropout(dropout)
+        weight = next(body.parameters())
+        self.linear = nn.Linear(body.config.d_model, int(n_classes), dtype=weight.dtype, device=weight.device)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def pool(self, states: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """One vector per sequence, ``(batch, d_model)``, from ``states (batch, seq, d_model)``."""
+        batch, seq, _ = states.shape
+        if lengths is None:
+            lengths = torch.full((batch,), seq, device=states.device)
+        elif lengths.shape != (batch,) or int(lengths.min()) < 1 or int(lengths.max()) > seq:
+            raise ValueError(f"lengths must have shape ({batch},) with values in [1, {seq}], got "
+                             f"{tuple(lengths.shape)} with values {lengths.tolist()[:8]}")
+        if self.pooling == "first":
+            return states[:, 0]
+        if self.pooling == "last":
+            return states[torch.arange(batch, device=states.device), lengths - 1]
+        keep = torch.arange(seq, device=states.device) < lengths[:, None]
+        return (states * keep[..., None]).sum(dim=1) / lengths[:, None].to(states.dtype)
+
+    def forward(self, idx: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        if lengths is not None and not self.causal and bool((lengths != idx.shape[1]).any()):
+            raise ValueError("a bidirectional body (MaskedLM) attends to padding too, so its states depend on it; "
+                             "give it equal-length sequences (lengths all equal to idx.shape[1])")
+        states = self.body.hidden_states(idx)
+        return self.linear(self.dropout(self.pool(states, lengths)))
+
+
+@torch.no_grad()
+def predict(head: ClassifierHead, ids: torch.Tensor, lengths: torch.Tensor | None = None, *,
+            batch_size: int = 256) -> torch.Tensor:
+    """The predicted class of every row of ``ids``, in batches, in eval mode (the mode is restored after)."""
+    was_training = head.training
+    head.eval()
+    try:
+        out = [head(ids[i:i + batch_size], None if lengths is None else lengths[i:i + batch_size]).argmax(dim=1)
+               for i in range(0, len(ids), batch_size)]
+    finally:
+        head.train(was_training)
+    return torch.cat(out)
