@@ -414,6 +414,9 @@ def test_bench_alternates_sides_and_reports_median_ratio_with_quartiles():
     times = alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeat=4, warmup=1)
     assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b", "b", "a"]  # warm-up, then the order turns over
     assert [len(v) for v in times.values()] == [4, 4] and all(t >= 0 for v in times.values() for t in v)
+    clock = iter([0.0, 1.0, 1.0, 3.0, 3.0, 6.0, 6.0, 10.0]).__next__  # any clock, e.g. time.process_time
+    assert alternate({"a": lambda: None, "b": lambda: None}, repeat=2, warmup=0, clock=clock) == \
+        {"a": [1.0, 4.0], "b": [2.0, 3.0]}  # rounds: a (0-1) b (1-3), then b (3-6) a (6-10)
     # per-round ratios 1, 2, 3, 4, 5: median 3, quartiles 2 and 4 (not the ratio of the medians, 3/1)
     a, b = [1.0, 4.0, 9.0, 16.0, 25.0], [1.0, 2.0, 3.0, 4.0, 5.0]
     assert ratio_quartiles(a, b) == (3.0, 2.0, 4.0)

@@ -37,11 +37,14 @@ def median_time(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1) -
     return statistics.median(times)
 
 
-def alternate(fns: dict[str, Callable[[], object]], *, repeat: int = 5, warmup: int = 1) -> dict[str, list[float]]:
+def alternate(fns: dict[str, Callable[[], object]], *, repeat: int = 5, warmup: int = 1,
+              clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds of each function in each of ``repeat`` rounds; every round calls every function once.
 
     The order within a round turns over from one round to the next (a b, b a, ...), so neither side always
-    runs right after the other (warm caches, a neighbour's burst).
+    runs right after the other (warm caches, a neighbour's burst). ``clock``: wall-clock time by default;
+    ``time.process_time`` counts this process's CPU seconds, which other processes inflate far less (only
+    meaningful when both sides run on one thread).
     """
     for _ in range(warmup):
         for fn in fns.values():
@@ -50,9 +53,9 @@ def alternate(fns: dict[str, Callable[[], object]], *, repeat: int = 5, warmup: 
     order = list(fns)
     for r in range(repeat):
         for name in order if r % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
+            start = clock()
             fns[name]()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 
