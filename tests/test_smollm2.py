@@ -340,3 +340,17 @@ def test_cli_data_smollm2(capsys):
 
     assert cli.main(["data", "smollm2"]) == 0
     assert "smollm2: 98,362,432 bytes, SHA-256 verified" in capsys.readouterr().out
+
+
+def test_bench_section_steps(smollm2, hf_model, monkeypatch):
+    from groundup.bench import smollm2 as bench
+    from groundup.bench.__main__ import SECTIONS
+
+    assert "smollm2" in SECTIONS
+    monkeypatch.setattr(bench, "NEW_TOKENS", 3)
+    model, tok = smollm2
+    idx = bench._prompt(tok)
+    assert idx.shape == (1, bench.PROMPT_TOKENS)
+    for prefill, decode in (bench.prefill_decode_ours(model, idx), bench.prefill_decode_transformers(hf_model, idx)):
+        assert prefill > 0 and decode > 0
+    assert torch.equal(bench.generate_ours(model, idx), bench.generate_transformers(hf_model, idx))
