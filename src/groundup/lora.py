@@ -10,7 +10,7 @@ so training starts at the pretrained function (B = 0) and only ``r (d_in + d_out
     ... train ...
     save_lora(model, "adapter.pt")                              # the adapters alone, a few kB to MB
     load_lora(fresh_base_model, "adapter.pt")                   # refused for another base (SHA-256 fingerprint)
-    merge_lora(model)                                           # W <- W + (alpha/r) B A: plain layers' speed
+    merge_lora(model)                                           # W <- W + (alpha/r) B A: one matmul a layer
     unmerge_lora(model)                                         # W <- W - (alpha/r) B A: adapters back apart
 
 The computation, the initialisation and the merge are those of ``peft``'s LoRA (``tests/test_lora.py`` checks
@@ -179,7 +179,7 @@ def attach_lora(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS, *, r
 
 
 def merge_lora(model: nn.Module) -> None:
-    """Merge every adapter of ``model`` into its base weight (inference at the plain model's cost)."""
+    """Merge every adapter of ``model`` into its base weight: one matmul per adapted layer, no adapter path."""
     for adapter in _require_adapters(model).values():
         adapter.merge()
 
