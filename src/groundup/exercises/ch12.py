@@ -263,7 +263,7 @@ def check_decode_q4_1_block(fn: Callable) -> Verdict:
                          "and q[j], q[j + 16] the low and high four bits of byte j.", rtol=rtol, atol=atol)
 
     return run_checks("Exercise 12.6 (decoding a Q4_1 block)", checks,
-                      "Your decoder reads llama.cpp's Q4_1 blocks: the block of the chapter and five random ones.")
+                      "Your decoder reads llama.cpp's Q4_1 blocks: a block of round numbers and five random ones.")
 
 
 _BYTES_PER_NUMBER = {"F32": 4.0, "F16": 2.0, "Q8_0": 34 / 32, "Q4_1": 20 / 32}
