@@ -14,7 +14,8 @@ GPUs through NCCL; across machines ``torchrun --nnodes N --node_rank ... --rdzv-
 same program on each.
 
 The module also holds the chapter's arithmetic: the bytes a ring all-reduce moves (:func:`ring_allreduce_bytes`)
-and the memory per GPU of mixed-precision Adam with ZeRO / FSDP sharding (:func:`training_memory`).
+and the memory per GPU of mixed-precision Adam with ZeRO / FSDP sharding (:func:`training_memory`). The torchrun
+entry point (``python -m groundup.distributed``) is the package's ``__main__`` module.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["init_process_group", "rank_and_world", "free_port", "torchrun_command", "launch", "run_local",
-           "ring_allreduce_bytes", "training_memory", "ZERO_STAGES", "time_all_reduce", "main"]
+           "ring_allreduce_bytes", "training_memory", "ZERO_STAGES", "time_all_reduce"]
 
 LAUNCH_TIMEOUT = 30.0
 """Seconds a process waits for the others to join the group (rendezvous) before it gives up."""
@@ -346,74 +347,3 @@ def time_all_reduce(sizes, *, repeats: int = 10, warmup: int = 2) -> list[dict]:
         rows.append({"numbers": int(n), "bytes": 4 * int(n), "median_s": median, "bus_GB_s": moved / median / 1e9,
                      "correct": bool(x[0].item() == world ** (warmup + repeats))})
     return rows
-
-
-# ---- the torchrun entry point ------------------------------------------------------------------------------
-
-
-def _allreduce_main(argv) -> int:
-    import argparse
-    import json
-
-    p = argparse.ArgumentParser(prog="python -m groundup.distributed allreduce",
-                                description="Time dist.all_reduce of float32 tensors of several sizes (run under "
-                                            "torchrun); process 0 prints one JSON line per size.")
-    p.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000, 1_000_000, 4_000_000])
-    p.add_argument("--repeats", type=int, default=10)
-    args = p.parse_args(argv)
-    rank, world = init_process_group()
-    try:
-        rows = time_all_reduce(args.sizes, repeats=args.repeats)
-        if rank == 0:
-            for row in rows:
-                print(json.dumps({"world_size": world, **row}), flush=True)
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
-def _train_main(argv) -> int:
-    """``groundup train`` as one of torchrun's processes. Started by :func:`launch`, it dies with torchrun, and
-    after a Ctrl-C (which :func:`launch` forwards) it exits with status 0 once the checkpoint is saved (the
-    launcher reports 130): torchrun would stop the other processes at the first non-zero status, process 0 in
-    the middle of saving, say."""
-    import argparse
-    import signal
-
-    from groundup import runs
-
-    launched = os.environ.get(TORCHRUN_ENV)
-    if launched and launched.isdigit():
-        _die_with_parent(int(launched), signal.SIGKILL)
-    parser = argparse.ArgumentParser(prog="python -m groundup.distributed",
-                                     description="groundup train, as one of the processes torchrun starts")
-    runs.add_train_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["train", *argv])
-    args.argv = ["train", *argv]
-    try:
-        rank, _ = init_process_group()
-    except KeyboardInterrupt:
-        return 0 if launched else 130
-    if rank != 0:  # one voice: the other processes print only errors
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- for the life of the process
-    try:
-        status = args.handler(args)
-    finally:
-        dist.destroy_process_group()
-    return 0 if status == 130 and launched else status
-
-
-def main(argv=None) -> int:
-    """``python -m groundup.distributed [allreduce] ...``: one process of a torchrun group (see the module doc)."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["_torchrun"]:  # launch's wrapper around torchrun
-        return _torchrun_main(argv[1:])
-    if argv[:1] == ["allreduce"]:
-        return record(_allreduce_main)(argv[1:])
-    return record(_train_main)(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
