@@ -114,6 +114,15 @@ def prefill_decode_transformers(model, idx: torch.Tensor) -> tuple[float, float]
 
 
 def _peak_rss_bytes() -> int:
+    """This process's peak resident set size. Linux: ``VmHWM`` of /proc/self/status, the high-water mark of this
+    program's own memory (``ru_maxrss`` survives exec: a child started by a 1.5 GB parent would start at 1.5 GB)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
