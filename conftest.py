@@ -1,5 +1,6 @@
 """Repository-wide pytest hooks."""
 
+import signal
 from collections import defaultdict
 from pathlib import Path
 
@@ -7,6 +8,11 @@ _notebook_seconds = defaultdict(float)
 
 
 def pytest_configure(config):
+    # A shell that starts a command in the background (`cmd &`, nohup) makes it ignore SIGINT, and Python then
+    # keeps SIGINT ignored: the tests of Ctrl-C handling would see no KeyboardInterrupt. Give the test process
+    # (and, through exec's reset of handlers, the processes it starts) Python's usual Ctrl-C.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # nbval opens --nbval-sanitize-with relative to the current directory; anchor it at the repository root.
     opt = getattr(config.option, "nbval_sanitize_with", None)
     if opt and not Path(opt).is_absolute():
