@@ -348,6 +348,16 @@ def _make_scratch(folder: Path) -> tuple[Path, int]:
     return scratch, owner
 
 
+def _open_scratch(folder: Path, explicit: bool) -> tuple[Path, int]:
+    """A new scratch folder in the cache ``folder`` (made if needed), after removing stale ones; a clear error."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        remove_stale_scratch(folder)
+        return _make_scratch(folder)
+    except OSError as err:
+        raise _cache_error(folder, err, explicit) from None
+
+
 def _drop_scratch(scratch: Path, owner: int) -> None:
     shutil.rmtree(scratch, ignore_errors=True)
     os.close(owner)
@@ -405,12 +415,7 @@ def _locate(corpus: Corpus, cache_dir) -> tuple[str, Path, str]:
     if text is not None:
         return text, cached, "cache"
 
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        remove_stale_scratch(folder)
-        scratch, owner = _make_scratch(folder)
-    except OSError as err:
-        raise _cache_error(folder, err, cache_dir is not None) from None
+    scratch, owner = _open_scratch(folder, cache_dir is not None)
     try:
         text = corpus.fetch(scratch)
         data = text.encode("utf-8")
@@ -583,12 +588,7 @@ def locate_model_file(name: str, *, cache_dir: str | os.PathLike | None = None) 
     cached = folder / model.filename
     if _file_matches(cached, model):
         return cached, "cache"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        remove_stale_scratch(folder)
-        scratch, owner = _make_scratch(folder)
-    except OSError as err:
-        raise _cache_error(folder, err, cache_dir is not None) from None
+    scratch, owner = _open_scratch(folder, cache_dir is not None)
     try:
         _fetch_model_file(model, scratch, cached)
     except OSError as err:
