@@ -26,7 +26,6 @@ stops there with :class:`ConnectionError`, without huggingface_hub's retries.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from groundup.data import sha256_file
 from groundup.models import GPT, GPTConfig
 from groundup.tokenizers import GPT2_SPLIT_PATTERN, BPETokenizer, _check_ids
 from groundup.utils import atomic_write_text
@@ -180,7 +180,7 @@ def _download(repo_id: str, cache_dir) -> Path:
         raise ConnectionError(f"could not download {repo_id!r} ({type(err).__name__}: {err}); without network, "
                               f"pass the path of a local folder holding config.json and model.safetensors") from err
     weights = paths[1]
-    digest = _sha256_file(weights)
+    digest = sha256_file(weights)
     if digest != expected:
         _remove_download(weights)
         raise CheckpointError(f"{WEIGHTS_NAME} of {repo_id!r}: sha256 {digest} does not match the published "
@@ -214,7 +214,7 @@ def _cached_verified(hub, repo_id: str, cache_dir) -> Path | None:
         return None
     if not re.fullmatch(r"[0-9a-f]{64}", recorded):
         return None
-    digest = _sha256_file(weights)
+    digest = sha256_file(weights)
     if digest != recorded:
         _remove_download(weights)
         raise CheckpointError(f"the cached {WEIGHTS_NAME} of {repo_id!r} ({weights}) has sha256 {digest}, not the "
@@ -225,14 +225,6 @@ def _cached_verified(hub, repo_id: str, cache_dir) -> Path | None:
 
 def _record_path(weights: Path) -> Path:
     return weights.with_name(weights.name + ".sha256")
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _remove_download(weights: Path) -> None:
