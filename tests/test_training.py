@@ -541,6 +541,18 @@ def test_a_checkpoint_with_a_crafted_step_is_refused(tmp_path, step, message):
         train(tiny_model(), pattern_data(), pattern_data(), config(max_steps=30, out_dir=tmp_path, resume=True))
 
 
+@pytest.mark.parametrize("key", ["torch_rng", "sampler_rng"])
+def test_train_refuses_a_checkpoint_with_a_damaged_random_state(tmp_path, key):
+    # train() itself checks, not only the command line: a resumed run must continue exactly or not at all
+    train(tiny_model(), pattern_data(), pattern_data(), config(max_steps=10, out_dir=tmp_path))
+    path = tmp_path / training.CHECKPOINT_NAME
+    ckpt = torch.load(path, weights_only=True)
+    ckpt[key] = torch.zeros(3, dtype=torch.uint8)
+    torch.save(ckpt, path)
+    with pytest.raises(ValueError, match=f"damaged random state \\({key}: "):
+        train(tiny_model(), pattern_data(), pattern_data(), config(max_steps=30, out_dir=tmp_path, resume=True))
+
+
 def test_chapter7_model_is_reused_only_under_the_mkl_setting_it_was_trained_with(tmp_path, monkeypatch):
     # MKL picks its kernels per CPU unless MKL_CBWR=COMPATIBLE (the notebooks' setting): a cached model trained
     # under another setting has other last bits, and the chapters that load it would print other numbers.

@@ -59,7 +59,7 @@ from groundup.seq2seq import (
 )
 from groundup.seq2seq import batches as seq2seq_batches
 from groundup.tokenizers import CharTokenizer
-from groundup.training import CHECKPOINT_NAME, TrainConfig, load_checkpoint, train
+from groundup.training import CHECKPOINT_NAME, TrainConfig, check_random_states, load_checkpoint, train
 from groundup.utils import default_device
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -349,16 +349,6 @@ class _Run:
     dates: tuple | None = None  # (src_tok, tgt_tok, test_pairs) of a --task dates run
 
 
-def _check_random_states(ckpt: dict, path: Path) -> None:
-    """Resuming restores the stored random states: refuse damaged ones with a message instead of a traceback."""
-    for key in ("torch_rng", "sampler_rng"):
-        try:
-            torch.Generator().set_state(ckpt.get(key))
-        except (RuntimeError, TypeError, ValueError) as err:
-            raise ValueError(f"{path} holds a damaged random state ({key}: {str(err).splitlines()[0]}): the run "
-                             "cannot continue exactly") from None
-
-
 def _resumed_run(args, out: Path) -> _Run:
     """The run in ``out``, ready to continue with its stored settings."""
     given = [f"--{k.replace('_', '-')}" for k in _MODEL_AND_TRAINING_FLAGS if getattr(args, k) is not None]
@@ -368,7 +358,7 @@ def _resumed_run(args, out: Path) -> _Run:
     stored, extra = ckpt.get("train_config"), ckpt.get("extra", {})
     if not isinstance(stored, dict) or not isinstance(extra, dict):
         raise ValueError(f"{out / CHECKPOINT_NAME} holds no training settings to resume with")
-    _check_random_states(ckpt, out / CHECKPOINT_NAME)
+    check_random_states(ckpt, out / CHECKPOINT_NAME)
     dates, batches = None, None
     if isinstance(model, EncoderDecoder):
         if extra.get("task") != "dates":

@@ -43,7 +43,7 @@ from groundup.utils import atomic_write_bytes, default_device, threads
 
 __all__ = ["TrainConfig", "History", "train", "evaluate", "lr_at", "param_groups", "MuonAdamW", "muon_parameters",
            "save_checkpoint",
-           "load_checkpoint", "counted_targets", "TrainingDiverged",
+           "load_checkpoint", "counted_targets", "TrainingDiverged", "check_random_states",
            "remove_stale_temporary_files", "CHECKPOINT_NAME", "HISTORY_NAME"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -567,6 +567,7 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
         start = ckpt["step"]
         history = History.from_dict(ckpt["history"])
         _check_resumed_step(ckpt_path, start, config, history)
+        check_random_states(ckpt, ckpt_path)
         torch.set_rng_state(ckpt["torch_rng"])
         if ckpt["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
@@ -690,6 +691,17 @@ def _diverged_message(step: int, what: str, value: float, config: TrainConfig, o
     return (f"training diverged at step {step}: {what} is {value} (not finite); {kept}. Start a new run (another "
             f"--out / out_dir) with a lower learning rate (--lr, TrainConfig.learning_rate; now "
             f"{config.learning_rate:g}) or {clip}")
+
+
+def check_random_states(ckpt: dict, path: Path) -> None:
+    """Resuming restores the stored random states: refuse damaged ones (``path`` names the checkpoint) with a
+    message instead of a traceback."""
+    for key in ("torch_rng", "sampler_rng"):
+        try:
+            torch.Generator().set_state(ckpt.get(key))
+        except (RuntimeError, TypeError, ValueError) as err:
+            raise ValueError(f"{path} holds a damaged random state ({key}: {str(err).splitlines()[0]}): the run "
+                             "cannot continue exactly") from None
 
 
 def _check_resumed_step(path: Path, step: int, config: TrainConfig, history: History) -> None:
