@@ -1,7 +1,10 @@
 """Each chapter-7 checker accepts the reference solution, rejects plausible wrong answers with the right hint,
 treats the unattempted stub kindly and reports answers that modify their inputs."""
 
+import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,4 +152,15 @@ def test_calling_the_packages_schedule_is_refused(capsys):
     assert not check_lr_schedule(calls_lr_at)
     out = capsys.readouterr().out
     assert "calls groundup.training.lr_at" in out and "compute it yourself" in out, out
-    assert check_lr_schedule.__doc__.count("(7.6)") == 1, "the schedule is equation (7.6); (7.7) is the clipping"
+
+
+def test_the_schedule_checker_cites_the_chapters_number_for_the_schedule():
+    """Chapter 7 numbers its display equations with \\tag; the warm-up + cosine schedule is the one with a cosine,
+    and check_lr_schedule must cite that number and no other."""
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "07_training.ipynb"
+    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+    displays = [eq for c in cells if c["cell_type"] == "markdown" for eq in "".join(c["source"]).split("$$")[1::2]]
+    numbered = {tag: eq for eq in displays for tag in re.findall(r"\\tag\{(7\.\d+)\}", eq)}
+    schedule = [tag for tag, eq in numbered.items() if r"\cos" in eq]
+    assert len(numbered) >= 7 and len(schedule) == 1, numbered.keys()
+    assert re.findall(r"\((7\.\d+)\)", check_lr_schedule.__doc__) == schedule
