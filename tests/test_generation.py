@@ -250,6 +250,36 @@ def test_the_cache_runs_one_token_per_step_while_the_sequence_fits():
     assert lengths == [3, 1, 1, 1, 1, 1, 8, 8]
 
 
+@pytest.mark.parametrize("positional", ["learned", "rope"])
+def test_last_only_gives_the_full_forwards_last_row_with_and_without_the_cache(positional):
+    model = small_gpt(positional, context_length=8)
+    idx = torch.tensor([[1, 5, 2, 7], [7, 0, 9, 3]])
+    full, _ = model(idx)
+    last, loss = model(idx, last_only=True)
+    assert last.shape == (2, 1, 11) and loss is None
+    torch.testing.assert_close(last[:, 0], full[:, -1], rtol=0, atol=1e-12)
+    cache = model.new_cache()
+    model(idx[:, :3], cache=cache, last_only=True)
+    step, _ = model(idx[:, 3:], cache=cache, last_only=True)
+    torch.testing.assert_close(step[:, 0], full[:, -1], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="targets"):
+        model(idx, idx, last_only=True)
+    with pytest.raises(TypeError, match="last_only"):
+        model(idx, last_only=1)
+
+
+def test_generate_unembeds_one_row_per_step_and_a_model_without_last_only_still_works():
+    model = small_gpt(context_length=8)
+    rows = []
+    handle = model.unembedding.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
+    out = generate(model, torch.tensor([[1, 2, 3]]), 7, greedy=True)
+    handle.remove()
+    assert rows == [1] * 7  # the 3-token prefill, 4 cached steps, 2 cropped windows: one row each time
+    assert torch.equal(out, reference_greedy(model, torch.tensor([[1, 2, 3]]), 7))
+    fixed = FixedLogits([0.0, 2.0, 1.0])  # its forward has no last_only: generate must not pass it
+    assert generate(fixed, torch.tensor([[0]]), 3, greedy=True).tolist() == [[0, 1, 1, 1]]
+
+
 def test_a_generator_makes_sampling_reproducible():
     model = small_gpt()
     idx = torch.tensor([[1, 2]])

@@ -12,6 +12,7 @@ exactly 0); they never modify their input.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -153,6 +154,14 @@ def _next_token(logits: torch.Tensor, *, temperature, top_k, top_p, greedy, gene
     return torch.multinomial(probs, 1, generator=generator)
 
 
+def _takes_last_only(model: nn.Module) -> bool:
+    """Whether ``model``'s forward accepts ``last_only`` (the book's GPT does; a reader's own model may not)."""
+    try:
+        return "last_only" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward whose signature cannot be read
+        return False
+
+
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
              generator: torch.Generator | None = None, greedy: bool = False) -> torch.Tensor:
@@ -181,6 +190,9 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temper
     we do not make: cached and uncached generation produce the same tokens, up to floating-point rounding in
     the logits (identical in practice).
 
+    A model whose ``forward`` takes ``last_only`` (the book's :class:`~groundup.models.GPT`) is asked for the
+    last position's logits only: the rest would be unembedded and thrown away.
+
     Raises ``ValueError``/``TypeError`` for an empty prompt, ids outside ``[0, vocab_size)``, ``temperature <= 0``,
     ``top_k < 1``, ``top_p`` outside (0, 1], a negative ``max_new_tokens`` or arguments of the wrong type.
     """
@@ -188,6 +200,7 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temper
     context_length = model.config.context_length
     device = next(model.parameters()).device
     out = idx.to(device=device, dtype=torch.long)
+    last = {"last_only": True} if _takes_last_only(model) else {}
     was_training = model.training
     model.eval()
     try:
@@ -196,9 +209,9 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temper
             for _ in range(max_new_tokens):
                 if cache is not None and out.shape[1] <= context_length:
                     cached = len(cache[0])
-                    logits, _ = model(out[:, cached:], cache=cache)  # the whole prompt once, then one token
+                    logits, _ = model(out[:, cached:], cache=cache, **last)  # the whole prompt once, then one token
                 else:  # no cache, or the sequence outgrew the context: run the last context_length tokens
-                    logits, _ = model(out[:, -context_length:])
+                    logits, _ = model(out[:, -context_length:], **last)
                 new = _next_token(logits[:, -1, :], temperature=temperature, top_k=top_k, top_p=top_p,
                                   greedy=greedy, generator=generator)
                 out = torch.cat([out, new.to(torch.long)], dim=1)

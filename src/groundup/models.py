@@ -198,17 +198,30 @@ class GPT(nn.Module):
         return [KVCache() for _ in self.blocks]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                cache: list[KVCache] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                cache: list[KVCache] | None = None, last_only: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``(batch, seq, vocab_size)`` for token ids ``idx (batch, seq)``, and the loss.
 
         ``targets`` (same shape as ``idx``, usually ``idx`` shifted by one) gives ``loss``, the mean
         cross-entropy of the next-token predictions (positions whose target is -100 are ignored; on the CPU,
         targets that ignore every position raise ``ValueError`` instead of giving a nan loss); without
         targets ``loss`` is None. ``cache`` (from :meth:`new_cache`) makes ``idx`` continue the positions
-        already cached, for generation with a KV cache.
+        already cached, for generation with a KV cache. ``last_only=True`` unembeds the last position only and
+        returns logits ``(batch, 1, vocab_size)``: generation reads nothing else, and for a large vocabulary the
+        unembedding of every prompt position is most of a prefill's work (SmolLM2: 49,152 x 576 per row). The
+        last row equals the full forward's last row up to rounding (a matrix-vector product instead of a
+        matrix product may sum in another order). It cannot be combined with ``targets``.
         """
         c = self.config
-        logits = self.unembedding(self.hidden_states(idx, cache=cache))  # logits_i = U x_i^(n_L)
+        if not isinstance(last_only, bool):
+            raise TypeError(f"last_only must be True or False, got {last_only!r}")
+        if last_only and targets is not None:
+            raise ValueError("last_only=True gives the last position's logits only; the loss needs every "
+                             "position's: pass targets without last_only")
+        hidden = self.hidden_states(idx, cache=cache)
+        if last_only:
+            hidden = hidden[:, -1:, :]
+        logits = self.unembedding(hidden)  # logits_i = U x_i^(n_L)
 
         loss = None
         if targets is not None:

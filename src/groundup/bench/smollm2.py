@@ -5,14 +5,16 @@ library), run with the same threads and dtype, and generate greedily: a 64-token
 the Shakespeare corpus), then 128 new tokens. Measured, alternating the two models round by round:
 
 * end to end: each library's own generation call (``groundup.generation.generate``, ``model.generate``);
-* prefill: one forward pass over the 64-token prompt into an empty KV cache;
+* prefill: one forward pass over the 64-token prompt into an empty KV cache, unembedding the last position only
+  (``last_only=True``; ``logits_to_keep=1`` for transformers, which its ``generate`` also asks for);
 * decode: the 127 one-token forward passes after it (each with the KV cache), per token.
 
 Peak memory is measured in two child processes, one per library, as the growth of the peak resident set size
-(``ru_maxrss``) from after the imports to after loading the model and generating: the loaded weights, the
-dequantization's temporaries and the KV cache. The target: ours at least as fast as transformers (ratio >= 1.0)
-with peak memory no higher. Run with ``python -m groundup.bench smollm2``; the main entry point of this module
-(``python -m groundup.bench.smollm2 --memory ours|transformers``) is what the child processes run.
+(``VmHWM``, see :func:`_peak_rss_bytes`) from after the imports to after loading the model and generating: the
+loaded weights, the dequantization's temporaries and the KV cache. The target: ours at least as fast as
+transformers (ratio >= 1.0) with peak memory no higher. Run with ``python -m groundup.bench smollm2``; the main
+entry point of this module (``python -m groundup.bench.smollm2 --memory ours|transformers``) is what the child
+processes run.
 """
 
 from __future__ import annotations
@@ -85,12 +87,12 @@ def prefill_decode_ours(model, idx: torch.Tensor) -> tuple[float, float]:
 
     cache = model.new_cache()
     start = time.perf_counter()
-    logits, _ = model(idx, cache=cache)
+    logits, _ = model(idx, cache=cache, last_only=True)
     prefill = time.perf_counter() - start
     token = logits[:, -1].argmax(-1, keepdim=True)
     start = time.perf_counter()
     for _ in range(NEW_TOKENS - 1):
-        logits, _ = model(token, cache=cache)
+        logits, _ = model(token, cache=cache, last_only=True)
         token = logits[:, -1].argmax(-1, keepdim=True)
     return prefill, time.perf_counter() - start
 
@@ -103,7 +105,7 @@ def prefill_decode_transformers(model, idx: torch.Tensor) -> tuple[float, float]
 
     cache = DynamicCache()
     start = time.perf_counter()
-    out = model(idx, past_key_values=cache, use_cache=True)
+    out = model(idx, past_key_values=cache, use_cache=True, logits_to_keep=1)
     prefill = time.perf_counter() - start
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     start = time.perf_counter()
