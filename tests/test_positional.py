@@ -262,6 +262,28 @@ def test_rope_equals_complex_multiplication():
     torch.testing.assert_close(got, expected.float())
 
 
+def test_rope_computes_the_angles_once_per_positions_tensor_and_notices_every_change(monkeypatch):
+    rope = RotaryEmbedding(8)
+    calls = []
+    angles = rope.angles
+    monkeypatch.setattr(rope, "angles", lambda positions: calls.append(1) or angles(positions))
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def fresh(positions, dtype=torch.float64, **kw):  # a new module: no memo
+        return RotaryEmbedding(8, **kw).apply_rotary(x.to(dtype), positions)
+
+    pos = torch.arange(5)
+    first = rope.apply_rotary(x, pos)
+    assert torch.equal(rope.apply_rotary(x, pos), first) and len(calls) == 1  # 60 calls of a forward: 1 angle
+    pos.add_(3)  # the same tensor changed in place
+    assert torch.equal(rope.apply_rotary(x, pos), fresh(pos)) and len(calls) == 2
+    same_values = torch.arange(3, 8)  # another tensor with the same values: recomputed, same result
+    assert torch.equal(rope.apply_rotary(x, same_values), fresh(pos)) and len(calls) == 3
+    assert rope.apply_rotary(x.float(), same_values).dtype == torch.float32 and len(calls) == 4
+    rope.position_scale = 2.0
+    assert torch.equal(rope.apply_rotary(x, same_values), fresh(same_values, position_scale=2.0))
+
+
 def test_rope_rejects_bad_arguments():
     with pytest.raises(ValueError, match="d_head must be even"):
         RotaryEmbedding(7)

@@ -299,17 +299,35 @@ class RotaryEmbedding(nn.Module):
             t = t / self.position_scale
         return t[:, None] * self.inv_freq.to(positions.device)[None, :]
 
+    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``cos`` and ``sin`` of :meth:`angles` in ``dtype``, remembered for the last ``positions`` tensor.
+
+        A model's forward pass rotates the queries and keys of every layer at the same ``positions`` tensor
+        (SmolLM2: 60 calls per generated token), so the angles are computed once per forward pass instead of
+        once per call. The memo is keyed on that very tensor object (held, so its id cannot be reused) and on the
+        frequencies ``inv_freq``, with their in-place version counters, the device, the dtype and
+        ``position_scale``; any change recomputes.
+        """
+        key = (positions, self.inv_freq, positions._version, self.inv_freq._version, positions.device, dtype,
+               self.position_scale)
+        memo = getattr(self, "_memo", None)
+        if memo is not None and memo[0][0] is positions and memo[0][1] is self.inv_freq and memo[0][2:] == key[2:]:
+            return memo[1], memo[2]
+        angles = self.angles(positions)
+        cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+        self._memo = (key, cos, sin)
+        return cos, sin
+
     def apply_rotary(self, x: Tensor, positions: Tensor) -> Tensor:
         """Rotate ``x`` of shape ``(..., seq, d_head)`` at integer ``positions`` of shape ``(seq,)``."""
         if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
             raise TypeError("x must be a floating-point torch.Tensor of shape (..., seq, d_head)")
         if x.dim() < 2 or x.shape[-1] != self.d_head:
             raise ValueError(f"x must have shape (..., seq, d_head={self.d_head}), got {tuple(x.shape)}")
-        angles = self.angles(positions)
-        if angles.shape[0] != x.shape[-2]:
+        cos, sin = self._cos_sin(positions, x.dtype)
+        if cos.shape[0] != x.shape[-2]:
             raise ValueError(f"positions must have one entry per sequence position: x has seq={x.shape[-2]}, "
-                             f"positions has {angles.shape[0]}")
-        cos, sin = torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype)
+                             f"positions has {cos.shape[0]}")
         if self.pairing == "half":
             half = self.d_head // 2
             x_a, x_b = x[..., :half], x[..., half:]
