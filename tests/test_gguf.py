@@ -36,6 +36,7 @@ def test_header_and_layout_equal_gguf_reader(ours, reference):
     assert len(ours.tensors) == reference.fields["GGUF.tensor_count"].contents() == 272
     assert len(ours.metadata) == reference.fields["GGUF.kv_count"].contents() == 33
     assert ours.alignment == reference.alignment == 32
+    assert ours.table_offset == reference.tensors[0].field.offset == 1_769_507  # the first table entry
     assert ours.data_offset == reference.data_offset == 1_785_664
 
 

@@ -94,8 +94,9 @@ class TensorInfo:
 class GGUFFile:
     """A parsed GGUF file: ``metadata`` (key -> Python value; arrays are lists), ``value_types`` (key -> the
     file's type numbers: ``(type,)`` or ``(ARRAY, element type)``), the ``tensors`` table (name ->
-    :class:`TensorInfo`, in file order), ``alignment`` and ``data_offset``. The tensor bytes stay in the file,
-    memory-mapped."""
+    :class:`TensorInfo`, in file order), ``alignment``, ``table_offset`` (the byte where the tensor table
+    starts, right after the last metadata entry) and ``data_offset`` (where the tensor data starts: the end of
+    the table rounded up to the alignment). The tensor bytes stay in the file, memory-mapped."""
 
     path: Path
     version: int
@@ -103,6 +104,7 @@ class GGUFFile:
     value_types: dict
     tensors: dict
     alignment: int
+    table_offset: int
     data_offset: int
     _data: np.ndarray = field(repr=False)
 
@@ -270,6 +272,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
             raise GGUFError(f"{path.name} claims {count:,} {what}, more than its {size:,} bytes can hold")
     metadata, types = _read_metadata(cursor, n_kv)
     alignment = _alignment(metadata, types)
+    table_offset = cursor.pos
     table = _read_tensor_table(cursor, n_tensors)
     data_offset = -(-cursor.pos // alignment) * alignment
     tensors = {name: _tensor_info(name, dims, t, offset, data_offset, size, alignment)
@@ -278,4 +281,4 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
         if start < end:
             raise GGUFError(f"tensors {first!r} and {second!r} overlap in the file")
-    return GGUFFile(path, version, metadata, types, tensors, alignment, data_offset, data)
+    return GGUFFile(path, version, metadata, types, tensors, alignment, table_offset, data_offset, data)
