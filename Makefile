@@ -18,7 +18,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.groundup-installed
 BUILD  := _build
-NBVAL_TIMEOUT ?= 600
+# nbval's limit per cell, a hang guard: chapter 7's training cell takes ~7 min on a healthy 2-core machine.
+NBVAL_TIMEOUT ?= 1800
 export PYTHONHASHSEED := 0
 # Data files the tests and benchmarks may read (never committed); used only when the folder exists.
 SHARED_DATA := $(abspath ../shared/data)

@@ -206,7 +206,7 @@ def test_an_infinite_loop_off_the_main_thread_is_bounded_too(capsys):
     thread = threading.Thread(target=lambda: results.append(run_checks("Exercise 0.10",
                                                                        lambda: loop_forever(), timeout=0.3)))
     thread.start()
-    thread.join(10)
+    thread.join(120)
     assert not thread.is_alive() and results and not results[0]
     assert "did not finish within 0.3 s" in capsys.readouterr().out
 
@@ -216,7 +216,7 @@ def test_grad_mode_follows_the_caller_off_the_main_thread():
     thread = threading.Thread(target=lambda: (torch.set_grad_enabled(False),
                                               run_checks("x", lambda: seen.append(torch.is_grad_enabled()))))
     thread.start()
-    thread.join(10)
+    thread.join(120)
     assert seen == [False]
 
 
@@ -440,7 +440,7 @@ def test_a_loop_that_catches_base_exception_still_gets_its_verdict_on_time(loop,
         verdict = run_checks("Exercise 0.26", _square_checks(loop), timeout=0.3)
         out = capsys.readouterr().out
         assert not verdict and "did not finish within 0.3 s" in out, out
-        assert time.perf_counter() - start < 5
+        assert time.perf_counter() - start < 60  # a hang guard: well under 1 s on a healthy machine
         assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
         if "still running in the background" in out:
             assert "Restart the kernel" in out
@@ -455,7 +455,7 @@ def test_off_the_main_thread_a_catch_all_loop_is_bounded_too(capsys):
     thread = threading.Thread(target=lambda: results.append(run_checks(
         "Exercise 0.27", _square_checks(_catches_everything_twice), timeout=0.3)))
     thread.start()
-    thread.join(10)
+    thread.join(120)
     _RELEASE.set()
     assert not thread.is_alive() and results and not results[0]
     assert "did not finish within 0.3 s" in capsys.readouterr().out
@@ -607,3 +607,19 @@ def test_a_patch_made_before_the_check_is_lifted_while_it_runs_and_put_back_afte
         assert torch.allclose is lenient, "the reader's own patch is theirs again after the check"
     finally:
         torch.allclose = original
+
+
+def test_checked_notebook_runs_give_checkers_a_slow_machines_time(monkeypatch):
+    """nbval and run_notebook run the chapters with GROUNDUP_CHECK_TIMEOUT=60 (readers keep 10 s), so a correct
+    solution's stored verdict cannot turn into a timeout on a busy machine; a caller's own setting is kept."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "nbval_lanes", Path(__file__).resolve().parent.parent / "tools" / "nbval_lanes.py")
+    lanes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lanes)
+    monkeypatch.delenv("GROUNDUP_CHECK_TIMEOUT", raising=False)
+    assert lanes.notebook_env()["GROUNDUP_CHECK_TIMEOUT"] == "60"
+    monkeypatch.setenv("GROUNDUP_CHECK_TIMEOUT", "5")
+    assert lanes.notebook_env()["GROUNDUP_CHECK_TIMEOUT"] == "5"

@@ -298,8 +298,8 @@ def test_killed_download_stops_its_child_and_its_scratch_folder_is_removed_later
         time.sleep(0.05)
     child = int(pid_file.read_text())
     parent.send_signal(getattr(signal, sig))
-    parent.wait(timeout=30)
-    deadline = time.monotonic() + 10
+    parent.wait(timeout=120)
+    deadline = time.monotonic() + 60  # hang guards: the child goes within a second on a healthy machine
     while not _is_dead(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _is_dead(child), f"the download's child process outlived its parent killed by {sig}"

@@ -29,7 +29,7 @@ class NotebookError(Exception):
     """A notebook that could not be read or executed; the message names the file."""
 
 
-def run(path: Path, timeout: int = 900) -> float:
+def run(path: Path, timeout: int = 1800) -> float:
     try:
         raw = sync_notebooks.synced_notebook(sync_notebooks.read_notebook(path), path.name,
                                              sync_notebooks.repository_url())
