@@ -573,3 +573,24 @@ def test_chapter7_model_is_reused_only_under_the_mkl_setting_it_was_trained_with
     monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
     training.chapter7_model(cache_dir=tmp_path)
     assert retrained == [1]
+
+
+def test_a_chapter7_model_trained_by_chapter7_model_is_reused_by_the_next_call(tmp_path, monkeypatch):
+    # It was saved after train's one-thread block had ended, so it recorded the machine's thread count and every
+    # later call (chapters 8, 9, 12) trained it again; and it went to the default cache, not cache_dir.
+    import groundup.data
+
+    monkeypatch.setattr(groundup.data, "load_corpus", lambda name: "abcdefgh ijkl\n" * 200)
+    trained = []
+
+    def fake_train(model, train_ids, val_ids, config):
+        trained.append(torch.get_num_threads())
+        return training.History()
+
+    monkeypatch.setattr(training, "train", fake_train)
+    with training.threads(2):
+        first, _ = training.chapter7_model(cache_dir=tmp_path)
+        second, tokenizer = training.chapter7_model(cache_dir=tmp_path)
+    assert trained == [1], "trained once, on one thread, then loaded"
+    assert training.chapter7_path(tmp_path).is_file() and tokenizer.vocab_size == 14
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))

@@ -842,7 +842,7 @@ def chapter7_path(cache_dir=None) -> Path:
     return corpus_cache_dir(cache_dir) / "models" / "chapter07.pt"
 
 
-def train_chapter7_model(*, progress: bool = False):
+def train_chapter7_model(*, progress: bool = False, cache_dir=None):
     """Train chapter 7's character-level GPT on the Shakespeare corpus; return ``(model, tokenizer, history)``.
 
     Exactly what chapter 7 runs: the corpus's characters as the vocabulary, the first 90 % for training,
@@ -850,6 +850,7 @@ def train_chapter7_model(*, progress: bool = False):
     ``TrainConfig(**CHAPTER7_TRAINING)`` on one CPU thread. The result is saved for :func:`chapter7_model`. The
     weights are the same on every machine when MKL's reproducible code path is on (``MKL_CBWR=COMPATIBLE`` in the
     environment, as the book's notebooks run); MKL's own kernel choice differs between CPUs in the last bits.
+    It is saved while the one thread is still in force, so :func:`chapter7_model` reuses it.
     """
     from groundup.data import load_corpus, train_val_split
     from groundup.tokenizers import CharTokenizer
@@ -861,7 +862,7 @@ def train_chapter7_model(*, progress: bool = False):
     model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **CHAPTER7_MODEL))
     with threads(1):
         history = train(model, train_ids, val_ids, TrainConfig(**CHAPTER7_TRAINING, progress=progress))
-    save_chapter7_model(model, tokenizer, history)
+        save_chapter7_model(model, tokenizer, history, cache_dir=cache_dir)  # records the one thread it trained on
     return model, tokenizer, history
 
 
@@ -902,5 +903,5 @@ def chapter7_model(*, cache_dir=None, progress: bool = False):
                 return model.eval(), CharTokenizer(ckpt["extra"]["chars"])
         except (ValueError, KeyError, TypeError):
             pass  # a stale or damaged file: train afresh
-    model, tokenizer, _ = train_chapter7_model(progress=progress)
+    model, tokenizer, _ = train_chapter7_model(progress=progress, cache_dir=cache_dir)
     return model.eval(), tokenizer
