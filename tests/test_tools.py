@@ -1,5 +1,6 @@
 """The notebook sync script and the book builder, on throw-away inputs."""
 
+import ast
 import json
 import re
 import subprocess
@@ -37,11 +38,38 @@ def test_sync_inserts_badge_and_setup_cell():
     assert "/blob/main/notebooks/09_test.ipynb)" in first and first.endswith("\n\nIntro.")
     setup = new["cells"][1]
     assert setup["cell_type"] == "code" and setup["source"].startswith("# Setup: on Colab")
-    assert f"groundup @ git+{REPO}" in setup["source"] and "google.colab" in setup["source"]
+    assert pip_requirement(setup["source"]) == f"groundup @ git+{REPO}" and "google.colab" in setup["source"]
     assert setup["metadata"]["tags"] == ["remove-cell"]
     assert new["cells"][2]["source"] == "import groundup"
     again = sync_notebooks.synced(new, "09_test.ipynb", REPO)
     assert again == new, "syncing twice changes nothing"
+
+
+def pip_requirement(source):
+    """The last element of the list literal the setup cell passes to subprocess.run (what pip installs)."""
+    calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "run"]
+    assert len(calls) == 1, "the setup cell makes one subprocess.run call"
+    return ast.literal_eval(calls[0].args[0].elts[-1])
+
+
+@pytest.mark.parametrize("repo", [REPO, "https://github.com/o/n", "https://github.com/" + "o" * 25 + "/" + "n" * 26])
+def test_setup_cell_fits_the_book_and_installs_the_repository(repo):
+    source = sync_notebooks.setup_source(repo)
+    wide = [line for line in source.split("\n") if len(line) > 88]
+    assert not wide, f"the book cuts code lines wider than 88 characters: {wide}"
+    assert pip_requirement(source) == f"groundup @ git+{repo}"
+    assert source.startswith("# Setup: on Colab")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_sync_writes_the_layout_the_notebooks_are_stored_in(path):
+    """A sync rewrites only what it changes: its writer reproduces a stored notebook byte for byte (nbformat's
+    layout: sorted keys, indent 1, sources as lists of lines), and a string source is written as lines."""
+    text = path.read_text(encoding="utf-8")
+    assert sync_notebooks.notebook_text(json.loads(text)) == text
+    one = json.loads(sync_notebooks.notebook_text(notebook(("code", "a = 1\nb = 2"))))
+    assert one["cells"][0]["source"] == ["a = 1\n", "b = 2"]
 
 
 def test_sync_replaces_a_stale_badge_and_setup_cell():

@@ -50,14 +50,23 @@ def badge_line(nb_name: str, repo: str) -> str:
 
 
 def setup_source(repo: str) -> str:
+    """The Colab-only setup cell. The book cuts code lines wider than 88 characters, so the pip requirement
+    ``groundup @ git+<repo>`` is written as two adjacent string literals split after the host
+    (``https://github.com/`` + ``owner/name``): every line fits for an ``owner/name`` of up to 52 characters."""
+    scheme, sep, rest = repo.partition("://")
+    host, slash, path = rest.partition("/")
+    head, tail = (f"{scheme}{sep}{host}{slash}", path) if sep and slash else (repo, "")
+    indent = " " * 20
+    requirement = f'"groundup @ git+{head}"' + (f'\n{indent}"{tail}"' if tail else "")
     return (
-        "# Setup: on Colab this installs the book's package, groundup; on your own machine it does nothing.\n"
+        "# Setup: on Colab this installs the book's package, groundup;\n"
+        "# on your own machine it does nothing.\n"
         "import subprocess\n"
         "import sys\n"
         "\n"
         'if "google.colab" in sys.modules:\n'
         '    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",\n'
-        f'                    "groundup @ git+{repo}"], check=True)'
+        f"{indent}{requirement}], check=True)"
     )
 
 
@@ -163,7 +172,13 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def notebook_text(nb: dict) -> str:
-    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    """The notebook as the repository stores it, the layout nbformat writes (tools/run_notebook.py): sorted keys,
+    indent 1, and each cell's source as a list of lines, so that a sync changes only the lines it must."""
+    out = json.loads(json.dumps(nb))
+    for cell in out.get("cells", []):
+        if isinstance(cell.get("source"), str):
+            cell["source"] = cell["source"].splitlines(keepends=True)
+    return json.dumps(out, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
 
 
 def synced_notebook(nb: dict, nb_name: str, repo: str) -> dict:
