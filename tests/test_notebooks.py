@@ -86,6 +86,22 @@ def test_chapter_shape(path):
         assert needed in headings, f"missing section {needed!r}"
 
 
+BOOK_CODE_WIDTH = 88  # the book (jupyter-book) cuts code lines wider than this
+# Chapter 12's setup cell still has the old, wider lines: removed once chapter 12 is re-synced.
+NOT_YET_WITHIN_BOOK_WIDTH = {"12_pretrained.ipynb"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_code_lines_fit_the_book(path):
+    if path.name in NOT_YET_WITHIN_BOOK_WIDTH:
+        pytest.skip(f"{path.name} is not yet within {BOOK_CODE_WIDTH} columns (to be re-synced)")
+    wide = [f"cell {i}: {len(line)} characters: {line!r}"
+            for i, cell in enumerate(cells(path)) if cell["cell_type"] == "code"
+            for line in source(cell).splitlines() if len(line) > BOOK_CODE_WIDTH]
+    assert not wide, (f"{path.name}: code lines wider than {BOOK_CODE_WIDTH} characters (the book cuts them):\n"
+                      + "\n".join(wide))
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_markdown_has_no_myst_syntax(path):
     for cell in cells(path, "markdown"):
