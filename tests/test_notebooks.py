@@ -87,14 +87,10 @@ def test_chapter_shape(path):
 
 
 BOOK_CODE_WIDTH = 88  # the book (jupyter-book) cuts code lines wider than this
-# Chapter 12's setup cell still has the old, wider lines: removed once chapter 12 is re-synced.
-NOT_YET_WITHIN_BOOK_WIDTH = {"12_pretrained.ipynb"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_code_lines_fit_the_book(path):
-    if path.name in NOT_YET_WITHIN_BOOK_WIDTH:
-        pytest.skip(f"{path.name} is not yet within {BOOK_CODE_WIDTH} columns (to be re-synced)")
     wide = [f"cell {i}: {len(line)} characters: {line!r}"
             for i, cell in enumerate(cells(path)) if cell["cell_type"] == "code"
             for line in source(cell).splitlines() if len(line) > BOOK_CODE_WIDTH]
