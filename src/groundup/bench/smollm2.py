@@ -85,15 +85,18 @@ def prefill_decode_ours(model, idx: torch.Tensor) -> tuple[float, float]:
     """Seconds of the prefill and of the ``NEW_TOKENS - 1`` cached one-token steps after it (greedy)."""
     import time
 
-    cache = model.new_cache()
-    start = time.perf_counter()
-    logits, _ = model(idx, cache=cache, last_only=True)
-    prefill = time.perf_counter() - start
-    token = logits[:, -1].argmax(-1, keepdim=True)
-    start = time.perf_counter()
-    for _ in range(NEW_TOKENS - 1):
-        logits, _ = model(token, cache=cache, last_only=True)
+    from groundup.attention import reusing_stacked_weights
+
+    with reusing_stacked_weights():  # as generate runs: W_Q, W_K, W_V stacked once per call, not per token
+        cache = model.new_cache()
+        start = time.perf_counter()
+        logits, _ = model(idx, cache=cache, last_only=True)
+        prefill = time.perf_counter() - start
         token = logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        for _ in range(NEW_TOKENS - 1):
+            logits, _ = model(token, cache=cache, last_only=True)
+            token = logits[:, -1].argmax(-1, keepdim=True)
     return prefill, time.perf_counter() - start
 
 
