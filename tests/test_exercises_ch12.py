@@ -251,3 +251,26 @@ def test_the_checkers_own_count_is_refused(capsys):
     ok, out = verdict(check_gpt2_parameter_count, gpt2_parameters, capsys)
     assert not ok and "calls groundup.exercises.ch12.gpt2_parameters" in out, out
     assert gpt2_parameters(12, 768, 50257, 1024) == 124_439_808, "the function works again afterwards"
+
+
+# --- the package's own solutions are refused (bypasses a review found) -------------------------------------------
+
+
+def test_the_checkers_own_byte_count_is_refused(capsys):
+    ok, out = verdict(check_gguf_bytes, lambda *args: gguf_tensor_bytes(*args), capsys)
+    assert not ok and "calls groundup.exercises.ch12.gguf_tensor_bytes" in out, out
+    assert gguf_tensor_bytes(30, 576, 9, 3, 1536, 49152, "Q4_1", "Q8_0") == 96_576_768, "it works afterwards"
+
+
+def test_the_byte_count_may_use_the_chapters_n_bytes(capsys):
+    """The chapter computes sizes with Q.n_bytes before the exercise: an answer built on it is the reader's own."""
+    types = {"F32": Q.F32, "F16": Q.F16, "Q8_0": Q.Q8_0, "Q4_1": Q.Q4_1}
+
+    def with_n_bytes(n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, matrices, embedding):
+        d_kv = d_model // n_heads * n_kv_heads
+        per_block = 2 * d_model * d_model + 2 * d_model * d_kv + 3 * d_model * d_ff
+        return (Q.n_bytes((n_layers * per_block,), types[matrices]) + Q.n_bytes((vocab_size * d_model,),
+                types[embedding]) + Q.n_bytes(((2 * n_layers + 1) * d_model,), Q.F32))
+
+    ok, out = verdict(check_gguf_bytes, with_n_bytes, capsys)
+    assert ok, out

@@ -284,7 +284,9 @@ def gguf_tensor_bytes(n_layers: int, d_model: int, n_heads: int, n_kv_heads: int
 
 def check_gguf_bytes(fn: Callable) -> Verdict:
     """Exercise 12.7: ``fn(n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, matrices, embedding) -> int``,
-    the bytes of a LLaMA-style model's tensors stored in GGUF with the given formats (norms in F32, U tied)."""
+    the bytes of a LLaMA-style model's tensors stored in GGUF with the given formats (norms in F32, U tied).
+    Calling :func:`gguf_tensor_bytes`, the checker's own answer, is refused; ``quantization.n_bytes``, which the
+    chapter uses for one tensor's bytes before the exercise, is allowed."""
 
     def checks():
         cases = [(30, 576, 9, 3, 1536, 49152, "Q4_1", "Q8_0"), (30, 576, 9, 3, 1536, 49152, "Q8_0", "Q8_0"),
@@ -294,7 +296,8 @@ def check_gguf_bytes(fn: Callable) -> Verdict:
             expected = gguf_tensor_bytes(*case)
             n_layers, d, n_heads, n_kv, d_ff, vocab, matrices, embedding = case
             call = f"my_gguf_bytes{case}"
-            got = expect_number(call_reader(fn, *case, call=call), call, "Return the number of bytes as an int.")
+            got = expect_number(call_reader(fn, *case, call=call, forbid=(gguf_tensor_bytes,)), call,
+                                "Return the number of bytes as an int.")
             d_kv = d // n_heads * n_kv
             matrix_numbers = n_layers * (2 * d * d + 2 * d * d_kv + 3 * d * d_ff)
             norms = (2 * n_layers + 1) * d
