@@ -256,6 +256,18 @@ def test_the_checkers_own_count_is_refused(capsys):
 # --- the package's own solutions are refused (bypasses a review found) -------------------------------------------
 
 
+def test_the_checkers_own_q4_1_decoder_is_refused(capsys):
+    from groundup.exercises import ch12
+
+    def reference(block):
+        return torch.tensor(ch12._q4_1_reference(bytes(block.tolist())))
+
+    ok, out = verdict(check_decode_q4_1_block, reference, capsys)
+    assert not ok and "calls groundup.exercises.ch12._q4_1_reference" in out, out
+    block = bytes.fromhex("003800c0") + bytes(range(16))  # d = 0.5, m = -2, q = 0, ..., 15 then all 0
+    assert ch12._q4_1_reference(block) == [0.5 * q - 2 for q in range(16)] + [-2.0] * 16, "it works afterwards"
+
+
 def test_the_checkers_own_byte_count_is_refused(capsys):
     ok, out = verdict(check_gguf_bytes, lambda *args: gguf_tensor_bytes(*args), capsys)
     assert not ok and "calls groundup.exercises.ch12.gguf_tensor_bytes" in out, out

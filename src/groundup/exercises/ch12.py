@@ -200,6 +200,7 @@ def _random_q4_1_block(g: torch.Generator) -> bytes:
 
 
 _PACKAGE_DECODERS = ("groundup/quantization.py", "groundup/gguf.py", "gguf/quants.py", "gguf/gguf_reader.py")
+_OWN_DECODERS = (_q4_1_reference, _q4_1_wrong_readings)  # this checker's decoding, refused through tripwires
 
 
 @contextlib.contextmanager
@@ -234,8 +235,8 @@ def _plain_real_tensor(value, call: str, expected: str) -> torch.Tensor:
 
 def check_decode_q4_1_block(fn: Callable) -> Verdict:
     """Exercise 12.6: ``fn(block) -> x``, one Q4_1 block (a uint8 tensor of 20 bytes: float16 d, float16 m, 16
-    bytes of packed 4-bit q) decoded into its 32 numbers ``x = d q + m``, written by hand (the package's and the
-    ``gguf`` package's decoders are refused)."""
+    bytes of packed 4-bit q) decoded into its 32 numbers ``x = d q + m``, written by hand (the package's, the
+    ``gguf`` package's and this checker's own decoders are refused)."""
 
     def checks():
         g = torch.Generator().manual_seed(126)
@@ -247,7 +248,8 @@ def check_decode_q4_1_block(fn: Callable) -> Verdict:
         for k, block in enumerate(blocks):
             call = f"my_decode_q4_1_block(block) for block {k + 1} of {len(blocks)} ({block[:4].hex()}...)"
             with _calls_into(_PACKAGE_DECODERS) as seen:
-                out = call_reader(fn, torch.tensor(list(block), dtype=torch.uint8), call=call, names=("block",))
+                out = call_reader(fn, torch.tensor(list(block), dtype=torch.uint8), call=call, names=("block",),
+                                  forbid=_OWN_DECODERS)
             expect(not seen, f"{call} called {seen[0] if seen else ''}",
                    "This exercise asks you to decode the bytes yourself: read d and m with "
                    "block[:4].view(torch.float16), then split each byte into its two halves with & 0x0F and >> 4.")
