@@ -256,6 +256,34 @@ def test_the_checkers_own_count_is_refused(capsys):
 # --- the package's own solutions are refused (bypasses a review found) -------------------------------------------
 
 
+def test_counting_a_gpt_built_on_the_meta_device_is_refused(capsys):
+    def built(n_layers, d_model, vocab_size, context_length):
+        config = GPTConfig(vocab_size=vocab_size, context_length=context_length, d_model=d_model, n_layers=n_layers,
+                           n_heads=1, positional="learned")
+        with torch.device("meta"):
+            return sum(p.numel() for p in GPT(config).parameters())
+
+    assert built(2, 8, 65, 16) == gpt2_parameters(2, 8, 65, 16), "the trick gives the right number"
+    ok, out = verdict(check_gpt2_parameter_count, built, capsys)
+    assert not ok and "calls groundup.models.GPT" in out and "without building a model" in out, out
+    assert built(2, 8, 65, 16) == gpt2_parameters(2, 8, 65, 16), "GPT can be built again afterwards"
+
+
+def test_counting_a_transformers_gpt2_is_refused(capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def built(n_layers, d_model, vocab_size, context_length):
+        config = GPT2Config(n_layer=n_layers, n_embd=d_model, n_head=1, vocab_size=vocab_size,
+                            n_positions=context_length)
+        with torch.device("meta"):
+            return GPT2LMHeadModel(config).num_parameters()
+
+    assert built(2, 8, 65, 16) == gpt2_parameters(2, 8, 65, 16), "the trick gives the right number"
+    ok, out = verdict(check_gpt2_parameter_count, built, capsys)
+    assert not ok and "calls transformers" in out and "without building a model" in out, out
+    assert built(2, 8, 65, 16) == gpt2_parameters(2, 8, 65, 16), "GPT2LMHeadModel can be built again afterwards"
+
+
 def test_the_checkers_own_q4_1_decoder_is_refused(capsys):
     from groundup.exercises import ch12
 

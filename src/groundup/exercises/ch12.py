@@ -9,14 +9,17 @@ its inputs (and says so if the function changed them in place), and checks the t
 from __future__ import annotations
 
 import contextlib
+import functools
 import struct
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from groundup.exercises.checking import (
+    Forbidden,
     Mismatch,
     Verdict,
     call_reader,
@@ -26,6 +29,8 @@ from groundup.exercises.checking import (
     expect_tensor,
     run_checks,
 )
+from groundup.layers import TransformerBlock
+from groundup.models import GPT
 from groundup.positional import RotaryEmbedding
 
 __all__ = ["check_split_c_attn", "check_gpt2_parameter_count", "check_rotary_permutation",
@@ -83,8 +88,33 @@ def gpt2_parameters(n_layers: int, d_model: int, vocab_size: int, context_length
     return vocab_size * d + context_length * d + n_layers * block + 2 * d
 
 
+_BUILDING_HINT = ("The exercise is to count without building a model: add up the parameters of the embeddings, of "
+                  "n_layers blocks (each with two LayerNorms, c_attn, c_proj, c_fc and mlp c_proj) and of the final "
+                  "LayerNorm.")
+
+
+@functools.cache
+def _model_builders() -> tuple[Forbidden, ...]:
+    """The constructors a count must not call: the package's GPT and its blocks, and, where transformers is
+    installed, GPT-2's model (which every GPT-2 head model builds) and its blocks. (Imported here, not when the
+    reader's function runs, so that a function importing transformers itself is caught too.)"""
+    builders = [(GPT, "groundup.models.GPT"), (TransformerBlock, "groundup.layers.TransformerBlock")]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from transformers.models.gpt2 import modeling_gpt2
+        builders += [(modeling_gpt2.GPT2Model, "transformers.GPT2Model"),
+                     (modeling_gpt2.GPT2Block, "transformers.GPT2Block")]
+    except Exception:  # noqa: BLE001 -- without a working transformers there is nothing of it to call
+        pass
+    return tuple(Forbidden(cls, "__init__", label=label, hint=_BUILDING_HINT) for cls, label in builders)
+
+
 def check_gpt2_parameter_count(fn: Callable) -> Verdict:
-    """Exercise 12.2: ``fn(n_layers, d_model, vocab_size, context_length) -> int``, GPT-2's parameter count."""
+    """Exercise 12.2: ``fn(n_layers, d_model, vocab_size, context_length) -> int``, GPT-2's parameter count,
+    without building a model: calling the checker's own count or constructing the package's GPT (or transformers'
+    GPT-2), even on the meta device, is refused."""
+    forbid = (gpt2_parameters, *_model_builders())
 
     def checks():
         cases = [(12, 768, 50257, 1024), (24, 1024, 50257, 1024), (36, 1280, 50257, 1024), (48, 1600, 50257, 1024),
@@ -92,7 +122,7 @@ def check_gpt2_parameter_count(fn: Callable) -> Verdict:
         for n_layers, d, vocab, context in cases:
             expected = gpt2_parameters(n_layers, d, vocab, context)
             call = f"my_gpt2_parameter_count({n_layers}, {d}, {vocab}, {context})"
-            got = call_reader(fn, n_layers, d, vocab, context, call=call, forbid=(gpt2_parameters,))
+            got = call_reader(fn, n_layers, d, vocab, context, call=call, forbid=forbid)
             got = expect_number(got, call, "Return the number of parameters as an int.")
             untied = expected + vocab * d
             hints = {untied: "GPT-2 ties the unembedding U to W_E: count that matrix once.",
