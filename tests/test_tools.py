@@ -359,3 +359,34 @@ def test_nanogpt_side_by_side_times_both_models_and_refuses_other_files(tmp_path
     other.write_text("x = 1\n")
     with pytest.raises(SystemExit, match="defines no GPT and GPTConfig"):
         side.load_nanogpt(other)
+
+
+def test_chapter_figures_are_numbered_per_chapter_after_sphinx():
+    """book/_ext/chapter_figures.py: Sphinx numbers the figures of an unnumbered toctree through the whole book; the
+    extension renumbers a chapter page's figures N.1, N.2, ... in page order, leaves other pages alone, reports the
+    pages it changed, and runs after Sphinx's own numbering (the toctree collector's default priority, 500)."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("chapter_figures", ROOT / "book" / "_ext" / "chapter_figures.py")
+    ext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ext)
+    env = types.SimpleNamespace(toc_fignumbers={
+        "book/preface": {"figure": {"fig-a": (1,)}},
+        "notebooks/01_language_models": {"figure": {"fig-ch01-x": (2,), "fig-ch01-y": (3,)}},
+        "notebooks/12_pretrained": {"figure": {"fig-ch12-b": (40,), "fig-ch12-a": (41,)}, "table": {"t": (1,)}},
+        "notebooks/07_training": {},
+    })
+    assert ext.renumber(None, env) == ["notebooks/01_language_models", "notebooks/12_pretrained"]
+    assert env.toc_fignumbers["notebooks/12_pretrained"] == {"figure": {"fig-ch12-b": (12, 1), "fig-ch12-a": (12, 2)},
+                                                              "table": {"t": (1,)}}
+    assert env.toc_fignumbers["notebooks/01_language_models"]["figure"] == {"fig-ch01-x": (1, 1), "fig-ch01-y": (1, 2)}
+    assert env.toc_fignumbers["book/preface"] == {"figure": {"fig-a": (1,)}}
+    assert ext.renumber(None, env) == [], "a second pass changes nothing"
+
+    connected = []
+    ext.setup(types.SimpleNamespace(connect=lambda event, fn, priority=500: connected.append((event, fn, priority))))
+    assert connected == [("env-get-updated", ext.renumber, 900)]
+    config = (ROOT / "book" / "_config.yml").read_text()
+    assert re.search(r"^\s+chapter_figures: _ext\b", config, re.MULTILINE)
+    assert re.search(r'^\s+numfig_format: \{figure: "Figure %s:"\}', config, re.MULTILINE)
