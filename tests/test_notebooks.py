@@ -262,3 +262,61 @@ def test_solutions_never_redefine_the_readers_names_and_are_collapsed_everywhere
                 level = HEADING.match(source(nxt))
                 assert nxt["cell_type"] == "markdown" and level and len(level.group(1)) <= 4, \
                     f"{title}: only solution cells may sit in the collapsed section; the reader would miss cell {after}"
+
+
+# caption metadata pending: chapters 7 and 8 get their figure captions in a separate change; remove them from this
+# set then.
+CAPTIONS_PENDING = {"07", "08"}
+FIGURE_NAME = re.compile(r"^fig-ch(\d\d)-[a-z0-9]+(-[a-z0-9]+)*$")
+FIGURE_REF = re.compile(r"\bFigure\s+(\d+)\.(\d+)\b")
+
+
+def image_outputs(cell):
+    return [out for out in cell.get("outputs", []) if any(key.startswith("image/") for key in out.get("data", {}))]
+
+
+def plain(text):
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_figure_has_a_number_caption_name_and_alt_text(path):
+    """Every code cell with an image output is a numbered figure in the book: MyST-NB reads the cell's
+    ``mystnb.figure`` (caption, name) and ``mystnb.image.alt``. The markdown cell right after it repeats the caption
+    for JupyterLab and Colab as ``*Figure N.k: caption*`` (tagged remove-cell, so the book shows it once), numbered in
+    the order the figures appear, which is how book/_ext/chapter_figures.py numbers them in the book. The prose
+    refers to every figure by its number and to no figure that does not exist."""
+    if path.name[:2] in CAPTIONS_PENDING:
+        pytest.skip("caption metadata pending")
+    number = int(path.name[:2])
+    all_cells = cells(path)
+    figures = [i for i, c in enumerate(all_cells) if c["cell_type"] == "code" and image_outputs(c)]
+    names = []
+    for k, i in enumerate(figures, start=1):
+        where = f"{path.name}, cell {i} (Figure {number}.{k})"
+        assert len(image_outputs(all_cells[i])) == 1, f"{where}: one image per cell (the caption covers every output)"
+        meta = all_cells[i]["metadata"].get("mystnb", {})
+        figure, alt = meta.get("figure", {}), plain(meta.get("image", {}).get("alt", ""))
+        caption, name = plain(figure.get("caption", "")), figure.get("name", "")
+        assert caption and "*" not in caption and not caption.startswith("Figure"), \
+            f"{where}: mystnb.figure.caption must be the caption text (the book adds 'Figure {number}.{k}:')"
+        match = FIGURE_NAME.match(name)
+        assert match and int(match.group(1)) == number, f"{where}: mystnb.figure.name must be fig-ch{number:02d}-slug"
+        names.append(name)
+        assert len(alt) >= 40 and not re.search(r"[0-9a-f]{16}|\.(png|svg)$", alt), \
+            f"{where}: mystnb.image.alt must describe the picture"
+        shown = all_cells[i + 1] if i + 1 < len(all_cells) else {}
+        assert shown.get("cell_type") == "markdown" and "remove-cell" in shown["metadata"].get("tags", []), \
+            f"{where}: the next cell must be the caption for JupyterLab and Colab, tagged remove-cell"
+        assert plain(source(shown)) == f"*Figure {number}.{k}: {caption}*", \
+            f"{where}: the caption cell must read '*Figure {number}.{k}: ' + the metadata caption + '*'"
+    assert len(set(names)) == len(names), f"{path.name}: figure names repeat"
+    prose = "\n".join(source(c) for c in all_cells if c["cell_type"] == "markdown"
+                      and "remove-cell" not in c["metadata"].get("tags", []))
+    refs = {(int(a), int(b)) for a, b in FIGURE_REF.findall(prose)}
+    missing = [f"Figure {number}.{k}" for k in range(1, len(figures) + 1) if (number, k) not in refs]
+    assert not missing, f"{path.name}: the prose never refers to {', '.join(missing)}"
+    dangling = sorted(f"Figure {a}.{b}" for a, b in refs if a == number and not 1 <= b <= len(figures))
+    assert not dangling, f"{path.name}: the prose refers to {', '.join(dangling)}, which does not exist"
+    assert not re.search(r"^\*Figure \d+\.\d+:", prose, re.MULTILINE), \
+        f"{path.name}: an italic caption is left in the prose (it belongs in the remove-cell caption cell)"

@@ -41,3 +41,30 @@ def test_front_matter_pages_exist(html_root):
         assert (html_root / "book" / f"{page}.html").exists(), f"book/{page} is missing"
     references = (html_root / "book" / "references.html").read_text(encoding="utf-8")
     assert "attention is all you need" in references.lower() and "{bibliography}" not in references
+
+
+CAPTIONS_PENDING = {"07", "08"}  # caption metadata pending (as in tests/test_notebooks.py)
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_figures_are_numbered_per_chapter_with_caption_and_alt_text(html_root, nb):
+    """Every image output of a chapter is a figure numbered 'Figure N.k:' in page order (book/_ext/chapter_figures.py),
+    with the notebook's caption and alt text; the JupyterLab copy of the caption (remove-cell) is not shown."""
+    if nb.name[:2] in CAPTIONS_PENDING:
+        pytest.skip("caption metadata pending")
+    import html as html_lib
+    import json
+
+    number = int(nb.name[:2])
+    cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+    metas = [c["metadata"]["mystnb"] for c in cells if c["cell_type"] == "code"
+             and any(k.startswith("image/") for out in c["outputs"] for k in out.get("data", {}))]
+    page = (html_root / "notebooks" / f"{nb.stem}.html").read_text(encoding="utf-8")
+    figures = re.findall(r'<figure class="[^"]*" id="([^"]+)">\s*(?:<a [^>]*>)?<img alt="([^"]*)".*?'
+                         r'<span class="caption-number">([^<]*)</span>', page, re.DOTALL)
+    assert page.count("<figcaption") == len(figures) == len(metas) > 0
+    for k, ((fig_id, alt, label), meta) in enumerate(zip(figures, metas), start=1):
+        assert label.strip() == f"Figure {number}.{k}:"
+        assert fig_id == meta["figure"]["name"]
+        assert html_lib.unescape(alt) == meta["image"]["alt"]
+    assert f"*Figure {number}.1:" not in page and f"<em>Figure {number}.1:" not in page
