@@ -43,7 +43,8 @@ def test_front_matter_pages_exist(html_root):
     assert "attention is all you need" in references.lower() and "{bibliography}" not in references
 
 
-CAPTIONS_PENDING = {"07", "08"}  # caption metadata pending (as in tests/test_notebooks.py)
+CAPTIONS_PENDING: set[str] = set()  # caption metadata pending (as in tests/test_notebooks.py)
+UNCAPTIONED_CELLS = {("07_training.ipynb", "cad857f0")}  # two images from one loop (see tests/test_notebooks.py)
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
@@ -58,7 +59,8 @@ def test_figures_are_numbered_per_chapter_with_caption_and_alt_text(html_root, n
     number = int(nb.name[:2])
     cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
     metas = [c["metadata"]["mystnb"] for c in cells if c["cell_type"] == "code"
-             and any(k.startswith("image/") for out in c["outputs"] for k in out.get("data", {}))]
+             and any(k.startswith("image/") for out in c["outputs"] for k in out.get("data", {}))
+             and (nb.name, c.get("id")) not in UNCAPTIONED_CELLS]
     page = (html_root / "notebooks" / f"{nb.stem}.html").read_text(encoding="utf-8")
     figures = re.findall(r'<figure class="[^"]*" id="([^"]+)">\s*(?:<a [^>]*>)?<img alt="([^"]*)".*?'
                          r'<span class="caption-number">([^<]*)</span>', page, re.DOTALL)
