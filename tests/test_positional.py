@@ -284,6 +284,31 @@ def test_rope_computes_the_angles_once_per_positions_tensor_and_notices_every_ch
     assert torch.equal(rope.apply_rotary(x, same_values), fresh(same_values, position_scale=2.0))
 
 
+def _rope_as_written(rope, x, positions):
+    """The rotation exactly as the docstring writes it: one pair at a time, cos and sin products."""
+    angles = rope.angles(positions)
+    cos, sin = torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype)
+    if rope.pairing == "half":
+        half = rope.d_head // 2
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("pairing", ["interleaved", "half"])
+def test_rope_equals_the_written_formula_bit_for_bit(dtype, pairing):
+    # x * C + swapped(x) * S forms the same products and sums as the formula, so not even the last bit moves
+    # (a - b is a + (-b) in IEEE arithmetic, and a sum of two terms does not depend on their order).
+    rope = RotaryEmbedding(64, base=100000.0, pairing=pairing)
+    x = (torch.randn(2, 70, 9, 64, generator=torch.Generator().manual_seed(0)) * 3).to(dtype).transpose(1, 2)
+    positions = torch.arange(5, 75)
+    for inp in (x, x.contiguous()):  # attention hands over a transposed, non-contiguous view
+        out = rope.apply_rotary(inp, positions)
+        assert torch.equal(out, _rope_as_written(rope, inp, positions)) and out.is_contiguous()
+
+
 def test_rope_rejects_bad_arguments():
     with pytest.raises(ValueError, match="d_head must be even"):
         RotaryEmbedding(7)

@@ -300,10 +300,12 @@ class RotaryEmbedding(nn.Module):
         return t[:, None] * self.inv_freq.to(positions.device)[None, :]
 
     def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``cos`` and ``sin`` of :meth:`angles` in ``dtype``, remembered for the last ``positions`` tensor.
+        """The factors ``C`` and ``S`` of :meth:`apply_rotary` in ``dtype``, remembered for the last ``positions``.
 
-        A model's forward pass rotates the queries and keys of every layer at the same ``positions`` tensor
-        (SmolLM2: 60 calls per generated token), so the angles are computed once per forward pass instead of
+        ``C`` holds ``cos(t theta_i)`` and ``S`` holds ``-sin(t theta_i)`` and ``+sin(t theta_i)`` in the two
+        slots of pair ``i`` (``(2i, 2i+1)``, or ``(i, i + d_head/2)`` with ``pairing="half"``), each ``(seq,
+        d_head)``. A model's forward pass rotates the queries and keys of every layer at the same ``positions``
+        tensor (SmolLM2: 60 calls per generated token), so they are computed once per forward pass instead of
         once per call. The memo is keyed on that very tensor object (held, so its id cannot be reused) and on the
         frequencies ``inv_freq``, with their in-place version counters, the device, the dtype and
         ``position_scale``; any change recomputes.
@@ -315,8 +317,12 @@ class RotaryEmbedding(nn.Module):
             return memo[1], memo[2]
         angles = self.angles(positions)
         cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
-        self._memo = (key, cos, sin)
-        return cos, sin
+        if self.pairing == "half":
+            c, s = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        else:
+            c, s = cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
+        self._memo = (key, c, s)
+        return c, s
 
     def apply_rotary(self, x: Tensor, positions: Tensor) -> Tensor:
         """Rotate ``x`` of shape ``(..., seq, d_head)`` at integer ``positions`` of shape ``(seq,)``."""
@@ -324,17 +330,20 @@ class RotaryEmbedding(nn.Module):
             raise TypeError("x must be a floating-point torch.Tensor of shape (..., seq, d_head)")
         if x.dim() < 2 or x.shape[-1] != self.d_head:
             raise ValueError(f"x must have shape (..., seq, d_head={self.d_head}), got {tuple(x.shape)}")
-        cos, sin = self._cos_sin(positions, x.dtype)
-        if cos.shape[0] != x.shape[-2]:
+        c, s = self._cos_sin(positions, x.dtype)
+        if c.shape[0] != x.shape[-2]:
             raise ValueError(f"positions must have one entry per sequence position: x has seq={x.shape[-2]}, "
-                             f"positions has {cos.shape[0]}")
+                             f"positions has {c.shape[0]}")
+        # The formula above for every pair at once: out = x * C + swapped(x) * S, where swapped(x) exchanges
+        # the two coordinates of each pair. Slot 2i gets x[2i] cos + x[2i+1] (-sin), slot 2i+1 gets
+        # x[2i+1] cos + x[2i] sin: the same products and sums as written above, so the same bits, in four
+        # tensor operations instead of nine.
         if self.pairing == "half":
             half = self.d_head // 2
-            x_a, x_b = x[..., :half], x[..., half:]
-            return torch.cat((x_a * cos - x_b * sin, x_a * sin + x_b * cos), dim=-1)
-        x_even, x_odd = x[..., 0::2], x[..., 1::2]
-        out = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-        return out.flatten(-2)
+            swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        else:
+            swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return (x * c + swapped * s).contiguous()  # contiguous, as attention's kernels got it before
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         return self.apply_rotary(x, positions)
