@@ -265,9 +265,7 @@ def test_solutions_never_redefine_the_readers_names_and_are_collapsed_everywhere
 
 
 CAPTIONS_PENDING: set[str] = set()  # chapters whose figure captions are still to come
-# Chapter 7's attention-map cell draws its two figures in one loop (two iterations of one `for`), so it cannot be
-# split into one cell per figure without rewriting its code; it stays one uncaptioned cell with two images.
-UNCAPTIONED_CELLS = {("07_training.ipynb", "cad857f0")}
+UNCAPTIONED_CELLS: set[tuple[str, str]] = set()  # (notebook, cell id) of image cells left without a caption
 FIGURE_NAME = re.compile(r"^fig-ch(\d\d)-[a-z0-9]+(-[a-z0-9]+)*$")
 FIGURE_REF = re.compile(r"\bFigure\s+(\d+)\.(\d+)\b")
 

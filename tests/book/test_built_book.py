@@ -44,7 +44,7 @@ def test_front_matter_pages_exist(html_root):
 
 
 CAPTIONS_PENDING: set[str] = set()  # caption metadata pending (as in tests/test_notebooks.py)
-UNCAPTIONED_CELLS = {("07_training.ipynb", "cad857f0")}  # two images from one loop (see tests/test_notebooks.py)
+UNCAPTIONED_CELLS: set[tuple[str, str]] = set()  # (notebook, cell id) of image cells left without a caption
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
