@@ -282,6 +282,12 @@ def test_rope_computes_the_angles_once_per_positions_tensor_and_notices_every_ch
     assert rope.apply_rotary(x.float(), same_values).dtype == torch.float32 and len(calls) == 4
     rope.position_scale = 2.0
     assert torch.equal(rope.apply_rotary(x, same_values), fresh(same_values, position_scale=2.0))
+    rope.pairing = "half"
+    assert torch.equal(rope.apply_rotary(x, same_values), fresh(same_values, position_scale=2.0, pairing="half"))
+    with torch.inference_mode():  # inference tensors have no version counter: still rotated, and correctly
+        inference_positions = torch.arange(5)
+        assert torch.equal(rope.apply_rotary(x, inference_positions),
+                           fresh(inference_positions, position_scale=2.0, pairing="half"))
 
 
 def _rope_as_written(rope, x, positions):

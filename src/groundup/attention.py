@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from groundup.norms import RMSNorm, _positive_int
+from groundup.utils import version_counter
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -158,14 +159,14 @@ class KVCache:
 
     def holds(self, context: torch.Tensor) -> bool:
         """Whether the cached keys/values are those of this very ``context`` tensor (unchanged since)."""
-        return self.k is not None and self.context is context and self._context_version == _version(context)
+        return self.k is not None and self.context is context and self._context_version == version_counter(context)
 
     def set_context(self, context: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Replace the cache by the keys/values ``k``, ``v`` of a cross-attention ``context``."""
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         self.k, self.v = k, v
-        self.context, self._context_version = context, _version(context)
+        self.context, self._context_version = context, version_counter(context)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the keys/values of new positions (dim -2) and return all cached keys and values."""
@@ -200,14 +201,6 @@ def _sdpa_has_gqa() -> bool:
 
 
 _SDPA_HAS_GQA = _sdpa_has_gqa()
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """The in-place version counter of ``t`` (None for inference-mode tensors, which have none)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 class _Reuse:
@@ -352,7 +345,7 @@ class MultiHeadAttention(nn.Module):
         tensors = [layer.weight for layer in layers] + [layer.bias for layer in layers if layer.bias is not None]
         if not _REUSE.epoch or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return _stack(layers)
-        stamp = [_REUSE.epoch] + [(t.data_ptr(), _version(t)) for t in tensors]
+        stamp = [_REUSE.epoch] + [(t.data_ptr(), version_counter(t)) for t in tensors]
         cached = self.__dict__.setdefault("_stacked", {}).get(names)
         if cached is not None and len(cached[0]) == len(tensors) and all(
                 a is t for a, t in zip(cached[0], tensors, strict=True)) and cached[1] == stamp:

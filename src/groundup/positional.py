@@ -22,6 +22,8 @@ import numbers
 import torch
 from torch import Tensor, nn
 
+from groundup.utils import version_counter
+
 __all__ = [
     "LearnedPositionalEmbedding",
     "RelativePositionBias",
@@ -299,29 +301,29 @@ class RotaryEmbedding(nn.Module):
             t = t / self.position_scale
         return t[:, None] * self.inv_freq.to(positions.device)[None, :]
 
-    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def _rotation_factors(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The factors ``C`` and ``S`` of :meth:`apply_rotary` in ``dtype``, remembered for the last ``positions``.
 
         ``C`` holds ``cos(t theta_i)`` and ``S`` holds ``-sin(t theta_i)`` and ``+sin(t theta_i)`` in the two
         slots of pair ``i`` (``(2i, 2i+1)``, or ``(i, i + d_head/2)`` with ``pairing="half"``), each ``(seq,
         d_head)``. A model's forward pass rotates the queries and keys of every layer at the same ``positions``
         tensor (SmolLM2: 60 calls per generated token), so they are computed once per forward pass instead of
-        once per call. The memo is keyed on that very tensor object (held, so its id cannot be reused) and on the
-        frequencies ``inv_freq``, with their in-place version counters, the device, the dtype and
-        ``position_scale``; any change recomputes.
+        once per call. The memo is kept for that very ``positions`` tensor and ``inv_freq`` (held, so their ids
+        cannot be reused) as long as their in-place version counters, the dtype, ``position_scale`` and
+        ``pairing`` stay the same; any change recomputes. (Inference-mode tensors have no version counter: an
+        in-place edit of ``positions`` inside ``torch.inference_mode`` goes unnoticed.)
         """
-        key = (positions, self.inv_freq, positions._version, self.inv_freq._version, positions.device, dtype,
-               self.position_scale)
+        key = (version_counter(positions), version_counter(self.inv_freq), dtype, self.position_scale, self.pairing)
         memo = getattr(self, "_memo", None)
-        if memo is not None and memo[0][0] is positions and memo[0][1] is self.inv_freq and memo[0][2:] == key[2:]:
-            return memo[1], memo[2]
+        if memo is not None and memo[0] is positions and memo[1] is self.inv_freq and memo[2] == key:
+            return memo[3], memo[4]
         angles = self.angles(positions)
         cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
         if self.pairing == "half":
             c, s = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
         else:
             c, s = cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
-        self._memo = (key, c, s)
+        self._memo = (positions, self.inv_freq, key, c, s)
         return c, s
 
     def apply_rotary(self, x: Tensor, positions: Tensor) -> Tensor:
@@ -330,7 +332,7 @@ class RotaryEmbedding(nn.Module):
             raise TypeError("x must be a floating-point torch.Tensor of shape (..., seq, d_head)")
         if x.dim() < 2 or x.shape[-1] != self.d_head:
             raise ValueError(f"x must have shape (..., seq, d_head={self.d_head}), got {tuple(x.shape)}")
-        c, s = self._cos_sin(positions, x.dtype)
+        c, s = self._rotation_factors(positions, x.dtype)
         if c.shape[0] != x.shape[-2]:
             raise ValueError(f"positions must have one entry per sequence position: x has seq={x.shape[-2]}, "
                              f"positions has {c.shape[0]}")

@@ -119,3 +119,15 @@ def atomic_write_text(path, text: str, encoding: str = "utf-8") -> None:
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     atomic_write_bytes(path, text.encode(encoding))
+
+
+def version_counter(t: torch.Tensor) -> int | None:
+    """The in-place version counter of ``t`` (None for inference-mode tensors, which have none).
+
+    Caches keyed on a tensor (the stacked attention weights, a cross-attention context, the rotary factors)
+    compare it to notice in-place edits.
+    """
+    try:
+        return t._version
+    except RuntimeError:
+        return None
