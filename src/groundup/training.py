@@ -15,6 +15,11 @@ step, both configs and the history. They are written atomically (a temporary fil
 rename) and read with ``torch.load(..., weights_only=True)``, which loads tensors and plain containers and never
 runs code from the file. A run killed at any moment resumes from its last checkpoint and ends with bit for bit
 the parameters of a run that was never interrupted; Ctrl-C saves a checkpoint at the end of the current step.
+
+A model carrying LoRA adapters (chapter 13, :mod:`groundup.lora`) is checkpointed *adapters-only*: the adapters
+with the fingerprint of the pretrained weights they were trained beside (:func:`~groundup.lora.lora_state_dict`)
+and the optimizer's state, which covers only the trainable parameters -- a few MB instead of the whole frozen base.
+Loading or resuming such a checkpoint needs the base model, already loaded, and refuses another base.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from torch import nn
 
 from groundup.data import get_batch
 from groundup.footprint import check_fits, check_state_dict, meta_model, model_bytes
+from groundup.lora import load_lora, lora_layers, lora_state_dict
 from groundup.models import GPT, EncoderDecoder, EncoderDecoderConfig, GPTConfig, MaskedLM, MaskedLMConfig
 from groundup.utils import atomic_write_bytes, default_device, threads
 
@@ -370,13 +376,19 @@ def save_checkpoint(path, model: nn.Module, *, optimizer=None, scheduler=None, s
     The file is first written to a temporary file in the same folder, flushed to disk, then renamed over
     ``path``: a reader (or a crash) sees the old checkpoint or the new one, never half of one. ``extra`` may
     hold more plain data (numbers, strings, lists, dicts, tensors).
+
+    A model with LoRA adapters (:func:`groundup.lora.attach_lora`) is saved adapters-only: ``"model"`` holds
+    :func:`~groundup.lora.lora_state_dict` (the adapters and the SHA-256 fingerprint of the adapted layers'
+    pretrained weights), ``"trainable"`` any other parameter that requires gradients (a task head, say), and
+    ``"adapters_only"`` is True. The frozen base is not stored: :func:`load_checkpoint` needs it as ``model``.
     """
+    adapters = lora_layers(model)
     state = {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,
         "model_class": _model_name(model),
         "model_config": dataclasses.asdict(model.config),
-        "model": model.state_dict(),
+        "model": lora_state_dict(model) if adapters else model.state_dict(),
         "optimizer": None if optimizer is None else optimizer.state_dict(),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "step": step,
@@ -387,9 +399,41 @@ def save_checkpoint(path, model: nn.Module, *, optimizer=None, scheduler=None, s
         "sampler_rng": None if generator is None else generator.get_state(),
         "extra": extra or {},
     }
+    if adapters:
+        state["adapters_only"] = True
+        state["trainable"] = _trainable_outside_adapters(model)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     atomic_write_bytes(path, buffer.getvalue())
+
+
+def _trainable_outside_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters of an adapted model that learn besides the adapters' A and B (none after attach_lora)."""
+    in_adapters = {id(p) for layer in lora_layers(model).values() for p in (layer.A, layer.B)}
+    return {name: p.detach().clone() for name, p in model.named_parameters()
+            if p.requires_grad and id(p) not in in_adapters}
+
+
+def _load_adapters(path: Path, model: nn.Module, ckpt: dict, optimizer) -> None:
+    """Put an adapters-only checkpoint's adapters (and other trainable parameters) onto ``model``, the base."""
+    if optimizer is not None and not lora_layers(model):
+        raise ValueError(f"{path} holds LoRA adapters, but the model given has none: attach them (attach_lora with "
+                         "the run's targets, r and alpha) before building the optimizer that resumes the run")
+    try:
+        load_lora(model, ckpt["model"])
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    stored = ckpt.get("trainable", {})
+    params = dict(model.named_parameters())
+    if not isinstance(stored, dict):
+        raise ValueError(f"{path} is not a valid groundup checkpoint: 'trainable' is not a dict")
+    for name, t in stored.items():
+        p = params.get(name)
+        if p is None or not isinstance(t, torch.Tensor) or t.shape != p.shape:
+            raise ValueError(f"{path}: the stored trainable parameter {name!r} does not fit the model")
+        with torch.no_grad():
+            p.copy_(t)
+        p.requires_grad_(True)
 
 
 _REQUIRED = {"format": str, "version": int, "model_class": str, "model_config": dict, "model": dict, "step": int}
@@ -403,6 +447,11 @@ def load_checkpoint(path, model: nn.Module | None = None, *, optimizer=None, sch
     input: it is read with ``weights_only=True`` (tensors and plain containers only; nothing in it runs), and
     every part is checked, with a ``ValueError`` naming what is wrong. ``optimizer`` and ``scheduler``, when
     given, get their stored states.
+
+    An adapters-only checkpoint (a model with LoRA adapters, see :func:`save_checkpoint`) needs ``model``: the
+    base model with its pretrained weights already loaded, with or without the adapters attached (without them
+    they are attached, as :func:`~groundup.lora.load_lora` does; to resume training, attach them before building
+    the optimizer). A base whose fingerprint differs from the one the adapters were trained on is refused.
     """
     path = Path(path)
     if path.is_dir():
@@ -425,6 +474,15 @@ def load_checkpoint(path, model: nn.Module | None = None, *, optimizer=None, sch
         raise ValueError(f"{path} holds an unknown model class {ckpt['model_class']!r}; known: "
                          f"{', '.join(MODEL_CLASSES)}")
     cls, config_cls = MODEL_CLASSES[ckpt["model_class"]]
+    adapters_only = ckpt.get("adapters_only", False)
+    if not isinstance(adapters_only, bool):
+        raise ValueError(f"{path} is not a valid groundup checkpoint: 'adapters_only' is not True or False")
+    if adapters_only and model is None:
+        raise ValueError(f"{path} holds LoRA adapters only, not a whole model: load the base model they were "
+                         "trained on (e.g. groundup.pretrained.load_smollm2()) and pass it as model")
+    if not adapters_only and model is not None and lora_layers(model):
+        raise ValueError(f"{path} holds a whole model (no adapters), but the model given carries LoRA adapters: "
+                         "load it into a model without adapters")
     if model is None:
         try:
             config = config_cls(**ckpt["model_config"])
@@ -437,10 +495,13 @@ def load_checkpoint(path, model: nn.Module | None = None, *, optimizer=None, sch
     elif dataclasses.asdict(model.config) != ckpt["model_config"]:
         raise ValueError(f"{path} was saved from a model with a different configuration: "
                          f"{ckpt['model_config']} (given: {dataclasses.asdict(model.config)})")
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as err:
-        raise ValueError(f"{path}: the stored weights do not fit the model: {err}") from None
+    if adapters_only:
+        _load_adapters(path, model, ckpt, optimizer)
+    else:
+        try:
+            model.load_state_dict(ckpt["model"])
+        except RuntimeError as err:
+            raise ValueError(f"{path}: the stored weights do not fit the model: {err}") from None
     if device is not None:
         model.to(device)
     for name, obj in (("optimizer", optimizer), ("scheduler", scheduler)):
@@ -497,6 +558,9 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
     continues from that checkpoint and ends exactly as an uninterrupted run would. Ctrl-C stops at the end of
     the current step, writes a checkpoint (when there is an ``out_dir``) and raises ``KeyboardInterrupt``.
     ``extra`` (plain data, e.g. where the training text came from) is stored in every checkpoint.
+    A model with LoRA adapters (:func:`groundup.lora.attach_lora`: only the adapters learn) is checkpointed
+    adapters-only, a few MB instead of the frozen base (see :func:`save_checkpoint`); to resume, give the same
+    base model with the same adapters attached, and a checkpoint of adapters for another base is refused.
     ``callback(step, model)``, if given, is called after every evaluation (e.g. to sample text); it must leave
     the global random state alone (use a ``torch.Generator`` of its own) for runs to stay reproducible.
 
