@@ -6,12 +6,13 @@
     groundup train --task dates --out run/        train chapter 10's encoder-decoder: dates in words to ISO 8601
     groundup sample run/ --prompt "ROMEO:"        generate text from a trained run (chapter 8), or translate a date
     groundup sample --pretrained smollm2 --chat --prompt "..."   a real pretrained model, offline (chapter 12)
+    groundup finetune --out ft/ [--task dates | --data FILE.jsonl]   instruction-tune SmolLM2 with LoRA (chapter 13)
     groundup --version                            print the package's version
 
 ``python -m groundup`` is the same command. Output piped into a program that stops reading early (``| head``)
 ends the command quietly with status 141 (128 + SIGPIPE, what a shell reports for a program killed by the
 broken pipe); an I/O error (a full disk, say) prints one line and exits with status 1; Ctrl-C ends it with status
-130 (``groundup train`` first saves a checkpoint).
+130 (``groundup train`` and ``groundup finetune`` first save a checkpoint).
 """
 
 from __future__ import annotations
@@ -57,13 +58,16 @@ def _parser() -> argparse.ArgumentParser:
 
     runs.add_train_parser(sub)
     runs.add_sample_parser(sub)
+    from groundup import finetuning
+
+    finetuning.add_finetune_parser(sub)
     return parser
 
 
 def _run(argv) -> int:
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # groundup train --nproc N passes them to torchrun
-    if args.command in ("train", "sample"):
+    if args.command in ("train", "sample", "finetune"):
         return args.handler(args)
 
     if args.command == "data":

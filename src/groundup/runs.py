@@ -59,7 +59,14 @@ from groundup.seq2seq import (
 )
 from groundup.seq2seq import batches as seq2seq_batches
 from groundup.tokenizers import CharTokenizer
-from groundup.training import CHECKPOINT_NAME, TrainConfig, check_random_states, load_checkpoint, train
+from groundup.training import (
+    CHECKPOINT_NAME,
+    TrainConfig,
+    check_random_states,
+    load_checkpoint,
+    read_checkpoint,
+    train,
+)
 from groundup.utils import default_device
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -354,6 +361,9 @@ def _resumed_run(args, out: Path) -> _Run:
     given = [f"--{k.replace('_', '-')}" for k in _MODEL_AND_TRAINING_FLAGS if getattr(args, k) is not None]
     if given:
         raise ValueError(f"--resume continues with the stored settings; do not give {', '.join(given)}")
+    if read_checkpoint(out / CHECKPOINT_NAME).get("adapters_only"):
+        raise ValueError(f"{out} holds LoRA adapters (a groundup finetune run): continue it with groundup finetune "
+                         f"--out {out} --resume")
     model, ckpt = load_checkpoint(out / CHECKPOINT_NAME)
     stored, extra = ckpt.get("train_config"), ckpt.get("extra", {})
     if not isinstance(stored, dict) or not isinstance(extra, dict):
@@ -489,11 +499,11 @@ def _prepare(args, out: Path) -> _Run:
     return _new_dates_run(args, out) if args.task == "dates" else _new_text_run(args, out)
 
 
-def _interrupted(stop: KeyboardInterrupt, out: Path) -> str:
-    """What to say after Ctrl-C: where the run stands and how to continue it."""
+def _interrupted(stop: KeyboardInterrupt, out: Path, command: str = "train") -> str:
+    """What to say after Ctrl-C: where the run stands and how to continue it (with ``groundup <command>``)."""
     said = str(stop) or "interrupted"
     if (out / CHECKPOINT_NAME).is_file():
-        return f"{said}; continue with: groundup train --out {out} --resume"
+        return f"{said}; continue with: groundup {command} --out {out} --resume"
     return f"{said} before the first checkpoint: nothing to resume"
 
 
@@ -574,7 +584,7 @@ LOCKED_ENV = "GROUNDUP_RUN_LOCKED"
 
 
 @contextlib.contextmanager
-def _run_lock(out: Path, distributed: bool, rank: int):
+def _run_lock(out: Path, distributed: bool = False, rank: int = 0, command: str = "train"):
     """Hold the exclusive lock of run folder ``out`` (creating the folder) for the duration of the block.
 
     Two runs writing one folder would interleave their checkpoints; the second gets a ``ValueError`` naming the
@@ -600,7 +610,8 @@ def _run_lock(out: Path, distributed: bool, rank: int):
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip()
-            raise ValueError(f"{out} is in use by another groundup train{f' (process {holder})' if holder else ''}: "
+            raise ValueError(f"{out} is in use by another groundup {command}"
+                             f"{f' (process {holder})' if holder else ''}: "
                              "wait for it to end, or choose another --out") from None
         f.seek(0)
         f.truncate()
@@ -686,6 +697,10 @@ def add_sample_parser(sub) -> None:
                         "gpt2-medium, ... (downloaded with huggingface_hub when the network allows) or a local folder "
                         "with config.json and model.safetensors; --tokens then counts the model's tokens "
                         "(default: 100)")
+    p.add_argument("--adapter", metavar="DIR",
+                   help="with --pretrained smollm2: first load the LoRA adapters of this 'groundup finetune' run "
+                        "folder onto the model (merged into its weights); adapters trained on another base are "
+                        "refused")
     p.add_argument("--chat", action="store_true",
                    help="with --pretrained smollm2: --prompt is a user's message, sent in SmolLM2's chat template; "
                         "prints the assistant's answer (up to --tokens, default 128, or its end-of-turn token)")
@@ -747,6 +762,10 @@ def _sample_smollm2(args) -> int:
             raise ValueError("--chat needs --prompt: the user's message")
         device = _sample_device(args)
         model, tokenizer = load_smollm2()
+        if args.adapter:
+            from groundup.finetuning import load_adapters
+
+            load_adapters(model, args.adapter, flag="--adapter")
         model = model.to(device)
         if args.chat:
             ids = encode_chat(tokenizer, [{"role": "user", "content": args.prompt}])
@@ -774,6 +793,9 @@ def _sample_pretrained(args) -> int:
 
     if args.pretrained == "smollm2":
         return _sample_smollm2(args)
+    if getattr(args, "adapter", None):
+        print("error: --adapter needs --pretrained smollm2 (the base groundup finetune adapts)", file=sys.stderr)
+        return 2
     if args.chat:
         print("error: --chat needs --pretrained smollm2 (the chat model)", file=sys.stderr)
         return 2
@@ -822,8 +844,8 @@ def sample_command(args) -> int:
         return 2
     if args.pretrained is not None:
         return _sample_pretrained(args)
-    if args.chat:
-        print("error: --chat needs --pretrained smollm2 (the chat model)", file=sys.stderr)
+    if args.chat or args.adapter:
+        print(f"error: {'--chat' if args.chat else '--adapter'} needs --pretrained smollm2", file=sys.stderr)
         return 2
     folder = Path(args.run).expanduser()
     try:
@@ -831,6 +853,9 @@ def sample_command(args) -> int:
             raise FileNotFoundError(f"{folder} holds no {CHECKPOINT_NAME}: give a folder written by "
                                     f"'groundup train --out {folder}'")
         device = _sample_device(args)
+        if read_checkpoint(folder / CHECKPOINT_NAME).get("adapters_only"):
+            raise ValueError(f"{folder} holds LoRA adapters only (a groundup finetune run), not a model: sample "
+                             f"with --pretrained smollm2 --adapter {folder}")
         model, _ = load_checkpoint(folder / CHECKPOINT_NAME, device=device)
         if isinstance(model, EncoderDecoder):
             text = _translate(folder, model, args, device)

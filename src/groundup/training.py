@@ -48,8 +48,8 @@ from groundup.models import GPT, EncoderDecoder, EncoderDecoderConfig, GPTConfig
 from groundup.utils import atomic_write_bytes, default_device, threads
 
 __all__ = ["TrainConfig", "History", "train", "evaluate", "lr_at", "param_groups", "MuonAdamW", "muon_parameters",
-           "save_checkpoint",
-           "load_checkpoint", "counted_targets", "TrainingDiverged", "check_random_states",
+           "save_checkpoint", "load_checkpoint", "read_checkpoint", "checkpoint_path", "counted_targets",
+           "TrainingDiverged", "check_random_states",
            "remove_stale_temporary_files", "CHECKPOINT_NAME", "HISTORY_NAME"]
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -439,23 +439,19 @@ def _load_adapters(path: Path, model: nn.Module, ckpt: dict, optimizer) -> None:
 _REQUIRED = {"format": str, "version": int, "model_class": str, "model_config": dict, "model": dict, "step": int}
 
 
-def load_checkpoint(path, model: nn.Module | None = None, *, optimizer=None, scheduler=None,
-                    device=None) -> tuple[nn.Module, dict]:
-    """Read a checkpoint written by :func:`save_checkpoint`; return ``(model, checkpoint)``.
-
-    Without ``model``, the model is built from the configuration stored in the file. The file is untrusted
-    input: it is read with ``weights_only=True`` (tensors and plain containers only; nothing in it runs), and
-    every part is checked, with a ``ValueError`` naming what is wrong. ``optimizer`` and ``scheduler``, when
-    given, get their stored states.
-
-    An adapters-only checkpoint (a model with LoRA adapters, see :func:`save_checkpoint`) needs ``model``: the
-    base model with its pretrained weights already loaded, with or without the adapters attached (without them
-    they are attached, as :func:`~groundup.lora.load_lora` does; to resume training, attach them before building
-    the optimizer). A base whose fingerprint differs from the one the adapters were trained on is refused.
-    """
+def checkpoint_path(path) -> Path:
+    """``path`` as a file: a run folder's ``checkpoint.pt``, or ``path`` itself."""
     path = Path(path)
-    if path.is_dir():
-        path = path / CHECKPOINT_NAME
+    return path / CHECKPOINT_NAME if path.is_dir() else path
+
+
+def read_checkpoint(path) -> dict:
+    """The checkpoint at ``path`` (a file, or a run folder) as a dict, its structure checked; no model is built.
+
+    Read as :func:`load_checkpoint` reads it (``weights_only=True``, untrusted): for the settings and the
+    ``extra`` of a run, or to see whether it is adapters-only (``ckpt.get("adapters_only")``) before loading it.
+    """
+    path = checkpoint_path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: train a model first (groundup train --out FOLDER)")
     try:
@@ -473,10 +469,29 @@ def load_checkpoint(path, model: nn.Module | None = None, *, optimizer=None, sch
     if ckpt["model_class"] not in MODEL_CLASSES:
         raise ValueError(f"{path} holds an unknown model class {ckpt['model_class']!r}; known: "
                          f"{', '.join(MODEL_CLASSES)}")
+    if not isinstance(ckpt.get("adapters_only", False), bool):
+        raise ValueError(f"{path} is not a valid groundup checkpoint: 'adapters_only' is not True or False")
+    return ckpt
+
+
+def load_checkpoint(path, model: nn.Module | None = None, *, optimizer=None, scheduler=None,
+                    device=None) -> tuple[nn.Module, dict]:
+    """Read a checkpoint written by :func:`save_checkpoint`; return ``(model, checkpoint)``.
+
+    Without ``model``, the model is built from the configuration stored in the file. The file is untrusted
+    input: it is read with ``weights_only=True`` (tensors and plain containers only; nothing in it runs), and
+    every part is checked, with a ``ValueError`` naming what is wrong. ``optimizer`` and ``scheduler``, when
+    given, get their stored states.
+
+    An adapters-only checkpoint (a model with LoRA adapters, see :func:`save_checkpoint`) needs ``model``: the
+    base model with its pretrained weights already loaded, with or without the adapters attached (without them
+    they are attached, as :func:`~groundup.lora.load_lora` does; to resume training, attach them before building
+    the optimizer). A base whose fingerprint differs from the one the adapters were trained on is refused.
+    """
+    path = checkpoint_path(path)
+    ckpt = read_checkpoint(path)
     cls, config_cls = MODEL_CLASSES[ckpt["model_class"]]
     adapters_only = ckpt.get("adapters_only", False)
-    if not isinstance(adapters_only, bool):
-        raise ValueError(f"{path} is not a valid groundup checkpoint: 'adapters_only' is not True or False")
     if adapters_only and model is None:
         raise ValueError(f"{path} holds LoRA adapters only, not a whole model: load the base model they were "
                          "trained on (e.g. groundup.pretrained.load_smollm2()) and pass it as model")
