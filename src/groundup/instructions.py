@@ -1,0 +1,321 @@
+"""Instruction tuning data (chapter 13): chapter 10's dates task as chat instructions for SmolLM2-135M-Instruct.
+
+    train = date_instructions("train", 2000)            # (prompt, answer) pairs; test: date_instructions("test")
+    data = encode_instructions(tokenizer, train, context_length=128)   # ids + labels, prompt masked
+    train(model, data, val_data, config, batches=instruction_batches)  # groundup.training.train
+    score, predictions = exact_match_eval(model, tokenizer, test_pairs, shots=train[:3])
+
+An instruction is one user turn of SmolLM2's chat format (:func:`groundup.pretrained.encode_chat`: ChatML with
+its default system message), and the answer is the assistant's reply::
+
+    <|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n
+    <|im_start|>user\\nWrite this date in ISO 8601 format (...): the third of may, nineteen eighty-one<|im_end|>\\n
+    <|im_start|>assistant\\n1981-05-03<|im_end|>
+
+Instruction tuning trains on exactly this sequence with the next-token loss of pretraining, but only the reply's
+tokens (and the ``<|im_end|>`` that ends it, so the model learns to stop) are targets: the prompt is context the
+model is given, not text it should learn to write, so its targets are -100, which the loss ignores
+(:meth:`groundup.models.GPT.forward`). Examples have different lengths; :func:`instruction_batches` pads them
+on the right, where causal attention keeps the padding from reaching any real position.
+
+The dates are :func:`groundup.seq2seq.date_examples`' (chapter 10), with its split: a date, month or year
+belongs to the training or the held-out split, never both, so no test question is trained on in any wording,
+and the test set is chapter 10's, so the fine-tuned SmolLM2 and chapter 10's encoder-decoder score the same
+questions. Other tasks come from JSON Lines files (:func:`read_task_file`).
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from groundup.generation import generate
+from groundup.pretrained import encode_chat
+from groundup.seq2seq import date_examples, date_splits
+
+__all__ = ["INSTRUCTION", "IGNORE_INDEX", "SPLITS", "date_instructions", "read_task_file", "instruction_messages",
+           "InstructionData", "encode_instructions", "instruction_batches", "generate_answer", "exact_match_eval",
+           "MAX_TASK_FILE_BYTES", "MAX_TASK_TEXT_CHARS"]
+
+INSTRUCTION = "Write this date in ISO 8601 format (YYYY-MM-DD; YYYY-MM for a month, YYYY for a year): {date}"
+"""The user's request for one date of the dates task; ``{date}`` is replaced by the date in words.
+
+Chapter 10's task has three precisions (a day, a month or a year: ``1981-05-03``, ``2005-03``, ``2012``), so the
+instruction names all three: a model that has never seen the task (zero-shot) is told what is wanted."""
+
+IGNORE_INDEX = -100
+"""The target of a position that is not trained (``F.cross_entropy``'s default ``ignore_index``)."""
+
+SPLITS = ("train", "val", "test", "held_out")
+"""The splits of :func:`date_instructions`: chapter 10's ``date_splits`` (``held_out`` is ``test``)."""
+
+MAX_TASK_FILE_BYTES = 64 << 20
+"""The largest task file :func:`read_task_file` reads (64 MiB: hundreds of thousands of examples)."""
+MAX_TASK_TEXT_CHARS = 100_000
+"""The longest prompt or answer a task file may hold (far beyond any context a model here has)."""
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+
+# ---- the data: dates as instructions, or a task file ---------------------------------------------------------
+
+def _check_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def date_instructions(split: str = "train", n: int = 1000, *, seed: int = 0,
+                      instruction: str = INSTRUCTION) -> list[tuple[str, str]]:
+    """``n`` (prompt, answer) pairs of chapter 10's dates task: ``instruction`` with the date in words, the ISO date.
+
+    Deterministic in ``split``, ``n`` and ``seed``; a smaller ``n`` gives a prefix of a larger one. The splits are
+    chapter 10's (:func:`groundup.seq2seq.date_splits` with the same ``seed``): ``"train"`` is
+    ``date_examples(n, split="train")``; ``"test"`` (also called ``"held_out"``) is ``date_examples(n,
+    split="held_out")``, whose dates, months and years never occur in training; ``"val"`` is ``date_splits``'
+    validation set: held-out dates drawn with ``seed + 1``, none with the wording of one of the first 1,000 test
+    questions (chapter 10's test set). ``instruction`` must contain ``{date}``.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
+    n = _check_int("n", n)
+    if not isinstance(instruction, str) or "{date}" not in instruction:
+        raise ValueError(f"instruction must be a string containing '{{date}}', got {instruction!r}")
+    if split == "train":
+        pairs = date_examples(n, split="train", seed=seed)
+    elif split == "val":
+        pairs = date_splits(n_train=1, n_val=n, seed=seed)[1]
+    else:
+        pairs = date_examples(n, split="held_out", seed=seed)
+    return [(instruction.replace("{date}", source), target) for source, target in pairs]
+
+
+def _task_error(path: Path, line: int, message: str) -> ValueError:
+    return ValueError(f"{path}, line {line}: {message}; a task file holds one JSON object "
+                      f'{{"prompt": "...", "answer": "..."}} per line')
+
+
+def read_task_file(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """The (prompt, answer) pairs of a JSON Lines file: one ``{"prompt": ..., "answer": ...}`` object per line.
+
+    The file is untrusted input. It must be UTF-8 (a byte-order mark is allowed), at most
+    :data:`MAX_TASK_FILE_BYTES`; every non-blank line must be a JSON object whose ``"prompt"`` and ``"answer"`` are
+    non-blank strings of at most :data:`MAX_TASK_TEXT_CHARS` characters (other keys are ignored); blank lines are
+    skipped. Anything else raises ``ValueError`` naming the file and the line (counted from 1).
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a file path, got {type(path).__name__}")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"task file {path} not found (or not a file)")
+    size = path.stat().st_size
+    if size > MAX_TASK_FILE_BYTES:
+        raise ValueError(f"{path} holds {size:,} bytes; a task file may hold at most {MAX_TASK_FILE_BYTES:,}")
+    pairs = []
+    with path.open("rb") as fh:
+        for number, raw in enumerate(fh.read(MAX_TASK_FILE_BYTES + 1).splitlines(), start=1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                reason = f"not UTF-8 text ({err.reason} at byte {err.start + 1} of the line)"
+                raise _task_error(path, number, reason) from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except (ValueError, RecursionError) as err:
+                raise _task_error(path, number, f"not valid JSON ({type(err).__name__}: {err})") from None
+            if not isinstance(obj, dict):
+                raise _task_error(path, number, f"a JSON {_json_type(obj)}, not an object")
+            pairs.append(tuple(_task_field(path, number, obj, key) for key in ("prompt", "answer")))
+    if not pairs:
+        raise ValueError(f"{path} holds no examples: a task file holds one JSON object "
+                         f'{{"prompt": "...", "answer": "..."}} per line')
+    return pairs
+
+
+def _json_type(value) -> str:
+    """The JSON name of a parsed value's type (``null``, ``boolean``, ``number``, ``array``, ...)."""
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__)
+
+
+def _task_field(path: Path, line: int, obj: dict, key: str) -> str:
+    if key not in obj:
+        raise _task_error(path, line, f"the object has no {key!r} (its keys: {', '.join(map(repr, list(obj)[:5]))})")
+    value = obj[key]
+    if not isinstance(value, str):
+        raise _task_error(path, line, f"{key!r} must be a string, got a JSON {_json_type(value)}")
+    if not value.strip():
+        raise _task_error(path, line, f"{key!r} is empty")
+    if len(value) > MAX_TASK_TEXT_CHARS:
+        raise _task_error(path, line, f"{key!r} holds {len(value):,} characters, more than the "
+                                      f"{MAX_TASK_TEXT_CHARS:,} allowed")
+    return value
+
+
+def _check_pairs(name: str, pairs, *, allow_empty: bool = False) -> list[tuple[str, str]]:
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
+        raise TypeError(f"{name} must be a list of (prompt, answer) string pairs, got {type(pairs).__name__}")
+    out = []
+    for i, pair in enumerate(pairs):
+        if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
+                or not all(isinstance(s, str) for s in pair)):
+            raise TypeError(f"{name}[{i}] must be a (prompt, answer) pair of strings, got {pair!r}")
+        out.append((pair[0], pair[1]))
+    if not out and not allow_empty:
+        raise ValueError(f"{name} is empty: give at least one (prompt, answer) pair")
+    return out
+
+
+# ---- tokens and labels ---------------------------------------------------------------------------------------
+
+def instruction_messages(prompt: str, *, shots=(), system: str | None = None) -> list[dict]:
+    """The chat messages that ask ``prompt``: ``system`` (if given), each shot as a user turn and the assistant's
+    answer, then ``prompt`` as the last user turn. Without ``system`` the chat format adds SmolLM2's default one."""
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+    if system is not None and not isinstance(system, str):
+        raise TypeError(f"system must be a string or None, got {type(system).__name__}")
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    for question, answer in _check_pairs("shots", shots, allow_empty=True):
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return messages + [{"role": "user", "content": prompt}]
+
+
+def _end_id(tokenizer) -> int:
+    special = getattr(tokenizer, "special_ids", None)
+    if not isinstance(special, dict) or IM_START not in special or IM_END not in special:
+        raise TypeError(f"tokenizer must have the chat tokens {IM_START} and {IM_END} among its special_ids (e.g. "
+                        f"SmolLM2's, from groundup.pretrained.load_smollm2), got {type(tokenizer).__name__}")
+    return special[IM_END]
+
+
+@dataclass
+class InstructionData:
+    """Encoded instructions: per example, ``ids`` (1-D int64: prompt, answer, ``<|im_end|>``) and ``labels`` (the
+    same length: ``labels[i] = ids[i + 1]``, or -100 where not trained, always at the last position), and the id
+    :func:`instruction_batches` pads with."""
+
+    ids: list[torch.Tensor]
+    labels: list[torch.Tensor]
+    pad_id: int
+
+    def __post_init__(self):
+        if not isinstance(self.ids, list) or not isinstance(self.labels, list) or not self.ids:
+            raise TypeError("ids and labels must be non-empty lists of 1-D int64 tensors")
+        if len(self.ids) != len(self.labels):
+            raise ValueError(f"ids and labels must hold as many examples, got {len(self.ids)} and {len(self.labels)}")
+        for i, (x, y) in enumerate(zip(self.ids, self.labels)):
+            for name, t in (("ids", x), ("labels", y)):
+                if not isinstance(t, torch.Tensor) or t.dtype != torch.long or t.dim() != 1 or not len(t):
+                    raise TypeError(f"{name}[{i}] must be a non-empty 1-D int64 tensor, got "
+                                    f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            if x.shape != y.shape:
+                raise ValueError(f"example {i}: ids has {len(x)} tokens but labels {len(y)}")
+        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, numbers.Integral) or self.pad_id < 0:
+            raise ValueError(f"pad_id must be a token id (an integer >= 0), got {self.pad_id!r}")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def encode_instructions(tokenizer, pairs, *, context_length: int, mask_prompt: bool = True,
+                        system: str | None = None, pad_id: int | None = None) -> InstructionData:
+    """(prompt, answer) pairs as token ids and next-token labels for instruction tuning.
+
+    Example ``k`` is ``encode_chat(tokenizer, instruction_messages(prompt, system=system))`` (the chat prompt, ending
+    in ``<|im_start|>assistant\\n``), then ``tokenizer.encode_ordinary(answer)`` and the ``<|im_end|>`` id: the
+    prompt exactly as :func:`generate_answer` gives it to the model, so training and answering see the same
+    tokens. Its labels are ``ids[1:]`` followed by -100 (the last token predicts nothing); with ``mask_prompt``
+    the labels whose target is a prompt token are -100 too, so only the answer and its ``<|im_end|>`` are learned.
+    An example of more than ``context_length`` tokens raises ``ValueError`` naming it. ``pad_id`` defaults to the
+    ``<|im_end|>`` id (its value never matters: padded positions have no targets and come after the real ones).
+    """
+    end = _end_id(tokenizer)
+    pairs = _check_pairs("pairs", pairs)
+    context_length = _check_int("context_length", context_length, minimum=2)
+    if not isinstance(mask_prompt, bool):
+        raise TypeError(f"mask_prompt must be True or False, got {mask_prompt!r}")
+    ids, labels = [], []
+    for k, (prompt, answer) in enumerate(pairs):
+        prompt_ids = encode_chat(tokenizer, instruction_messages(prompt, system=system))
+        example = prompt_ids + tokenizer.encode_ordinary(answer) + [end]
+        if len(example) > context_length:
+            raise ValueError(f"example {k} is {len(example)} tokens long ({len(prompt_ids)} of prompt, "
+                             f"{len(example) - len(prompt_ids)} of answer and <|im_end|>), more than the context "
+                             f"length {context_length}: give a longer context or shorter examples")
+        x = torch.tensor(example, dtype=torch.long)
+        y = torch.cat([x[1:], torch.tensor([IGNORE_INDEX])])
+        if mask_prompt:
+            y[:len(prompt_ids) - 1] = IGNORE_INDEX  # position i predicts ids[i + 1], a prompt token for i < P - 1
+        ids.append(x)
+        labels.append(y)
+    return InstructionData(ids, labels, end if pad_id is None else pad_id)
+
+
+def instruction_batches(data: InstructionData, batch_size: int, context_length: int,
+                        generator: torch.Generator) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+    """One batch for :func:`groundup.training.train` (``batches=instruction_batches``): ``((ids,), targets)``.
+
+    ``batch_size`` examples drawn uniformly with replacement by one ``torch.randint`` call on ``generator`` (its only
+    randomness, so training stays reproducible and resumable), right-padded to the batch's longest example: ids
+    with ``data.pad_id``, targets with -100. A batch longer than ``context_length`` raises ``ValueError``.
+    """
+    if not isinstance(data, InstructionData):
+        raise TypeError(f"data must be an InstructionData (from encode_instructions), got {type(data).__name__}")
+    batch_size = _check_int("batch_size", batch_size)
+    idx = torch.randint(len(data), (batch_size,), generator=generator).tolist()
+    longest = max(len(data.ids[i]) for i in idx)
+    if longest > context_length:
+        raise ValueError(f"a batch holds an example of {longest} tokens, more than context_length {context_length}")
+    ids = torch.full((batch_size, longest), data.pad_id, dtype=torch.long)
+    targets = torch.full((batch_size, longest), IGNORE_INDEX, dtype=torch.long)
+    for row, i in enumerate(idx):
+        n = len(data.ids[i])
+        ids[row, :n] = data.ids[i]
+        targets[row, :n] = data.labels[i]
+    return (ids,), targets
+
+
+# ---- answering and scoring -----------------------------------------------------------------------------------
+
+def generate_answer(model, tokenizer, prompt: str, *, shots=(), max_new_tokens: int = 16,
+                    system: str | None = None) -> str:
+    """The model's greedy reply to ``prompt``: the text it writes after ``<|im_start|>assistant\\n``, up to
+    ``<|im_end|>``.
+
+    ``shots`` are (prompt, answer) pairs put before the question as earlier user and assistant turns (few-shot
+    prompting, no training). Decoding is :func:`groundup.generation.generate` with ``greedy=True`` and the KV cache;
+    it writes ``max_new_tokens`` tokens and the reply is cut at the first ``<|im_end|>`` (a reply that has not ended
+    by then is returned as far as it got).
+    """
+    end = _end_id(tokenizer)
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens)
+    prompt_ids = encode_chat(tokenizer, instruction_messages(prompt, shots=shots, system=system))
+    out = generate(model, torch.tensor([prompt_ids]), max_new_tokens, greedy=True, use_cache=True)
+    reply = out[0, len(prompt_ids):].tolist()
+    return tokenizer.decode(reply[:reply.index(end)] if end in reply else reply)
+
+
+def exact_match_eval(model, tokenizer, pairs, *, shots=(), max_new_tokens: int = 16, progress: bool = False,
+                     system: str | None = None) -> tuple[float, list[str]]:
+    """``(fraction correct, predictions)``: :func:`generate_answer` for every (prompt, answer) pair, correct when the
+    reply equals the answer once leading and trailing whitespace is stripped from both. ``progress`` shows a tqdm
+    bar."""
+    from tqdm import tqdm
+
+    pairs = _check_pairs("pairs", pairs)
+    predictions = [generate_answer(model, tokenizer, prompt, shots=shots, max_new_tokens=max_new_tokens,
+                                   system=system)
+                   for prompt, _ in tqdm(pairs, disable=not progress, desc="exact match", unit="question")]
+    correct = sum(p.strip() == answer.strip() for p, (_, answer) in zip(predictions, pairs))
+    return correct / len(pairs), predictions

@@ -1,0 +1,356 @@
+"""Instruction tuning data (groundup.instructions): dates as chat instructions, labels, batches, answers, scores.
+
+References: labels written out by hand (a byte-level tokenizer, and SmolLM2's own); the chat text rendered by
+``transformers``' ``apply_chat_template`` from the Jinja template stored in SmolLM2's GGUF file; the masked loss
+recomputed with ``F.cross_entropy`` over the answer positions; greedy answers recomputed by a plain loop without
+the KV cache; a GPT whose weights are set by hand so that its greedy reply is known in advance.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from groundup import instructions
+from groundup.data import locate_smollm2
+from groundup.gguf import read_gguf
+from groundup.instructions import (
+    INSTRUCTION,
+    InstructionData,
+    date_instructions,
+    encode_instructions,
+    exact_match_eval,
+    generate_answer,
+    instruction_batches,
+    instruction_messages,
+    read_task_file,
+)
+from groundup.models import GPT, GPTConfig
+from groundup.pretrained import SMOLLM2_SYSTEM_PROMPT, encode_chat, gguf_tokenizer, load_smollm2
+from groundup.seq2seq import date_examples, date_splits
+from groundup.tokenizers import BPETokenizer
+from groundup.training import TrainConfig, train
+
+START, END = 256, 257  # the byte tokenizer's <|im_start|>, <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def byte_tok():
+    """Byte-level BPE without merges: token ``b`` is byte ``b``; the two chat tokens are 256 and 257."""
+    tok = BPETokenizer((), special_tokens=("<|im_start|>", "<|im_end|>"))
+    assert tok.special_ids == {"<|im_start|>": START, "<|im_end|>": END} and tok.encode_ordinary("ab") == [97, 98]
+    return tok
+
+
+@pytest.fixture(scope="module")
+def gguf_metadata():
+    return read_gguf(locate_smollm2()).metadata
+
+
+@pytest.fixture(scope="module")
+def smol_tok(gguf_metadata):
+    return gguf_tokenizer(gguf_metadata)
+
+
+@pytest.fixture(scope="module")
+def reference_template(gguf_metadata):
+    """``transformers``' apply_chat_template with the template of SmolLM2's GGUF file (a one-word tokenizer: only
+    the template matters for ``tokenize=False``)."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                                 chat_template=gguf_metadata["tokenizer.chat_template"])
+    return lambda messages, add: hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def _tiny_gpt(vocab_size: int, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=vocab_size, context_length=512, d_model=32, n_layers=2, n_heads=4,
+                         positional="rope", norm="rmsnorm", tie_weights=False)).eval()
+
+
+def _successor_gpt(vocab_size: int, successor: dict[int, int], default: int) -> GPT:
+    """A GPT that predicts ``successor[t]`` (else ``default``) after token ``t``, whatever came before: one-hot
+    embeddings, blocks that add nothing to the residual stream (all zero), an unembedding that maps each one-hot
+    to its successor's logit."""
+    model = GPT(GPTConfig(vocab_size=vocab_size, context_length=512, d_model=vocab_size, n_layers=1, n_heads=2,
+                          d_ff=4, positional="none", norm="rmsnorm", bias=False, tie_weights=False)).eval()
+    with torch.no_grad():
+        model.token_embedding.weight.copy_(torch.eye(vocab_size))
+        for p in model.blocks.parameters():
+            p.zero_()
+        model.unembedding.weight.zero_()
+        for t in range(vocab_size):
+            model.unembedding.weight[successor.get(t, default), t] = 1.0
+    return model
+
+
+# ---- the dates as instructions ---------------------------------------------------------------------------
+
+def test_date_instructions_are_chapter_10s_dates_with_the_instruction():
+    pairs = date_instructions("train", 30, seed=3)
+    assert pairs == [(INSTRUCTION.format(date=s), t) for s, t in date_examples(30, split="train", seed=3)]
+    assert INSTRUCTION.format(date="the third of may, nineteen eighty-one").endswith(
+        "(YYYY-MM-DD; YYYY-MM for a month, YYYY for a year): the third of may, nineteen eighty-one")
+    assert date_instructions("train", 30, seed=3) == pairs and date_instructions("train", 10, seed=3) == pairs[:10]
+    assert date_instructions("test", 40) == date_instructions("held_out", 40)
+    _, val, test = date_splits(n_train=1, n_val=40, n_test=1000)
+    assert [a for _, a in date_instructions("test", 40)] == [t for _, t in test[:40]]
+    assert [a for _, a in date_instructions("val", 40)] == [t for _, t in val]
+    assert date_instructions("train", 2, instruction="Date? {date}")[0][0] == "Date? " + date_examples(1)[0][0]
+
+
+def test_no_test_or_val_date_is_trained_on():
+    train = date_instructions("train", 5000)
+    test, val = date_instructions("test", 1000), date_instructions("val", 300)
+    trained = {a for _, a in train}
+    assert len(trained) > 3000 and not trained & {a for _, a in test} and not trained & {a for _, a in val}
+    assert not {p for p, _ in val} & {p for p, _ in test}  # chapter 10: val and test share no question
+
+
+def test_date_instructions_refuse_bad_arguments():
+    with pytest.raises(ValueError, match="split must be one of 'train', 'val', 'test', 'held_out', got 'dev'"):
+        date_instructions("dev")
+    with pytest.raises(ValueError, match="n must be an integer >= 1, got 0"):
+        date_instructions("train", 0)
+    with pytest.raises(ValueError, match="instruction must be a string containing '{date}'"):
+        date_instructions("train", 5, instruction="no placeholder")
+
+
+# ---- task files ------------------------------------------------------------------------------------------
+
+def test_read_task_file(tmp_path):
+    path = tmp_path / "task.jsonl"
+    lines = [json.dumps({"prompt": "Capital of France?", "answer": "Paris", "id": 7}), "",
+             json.dumps({"prompt": "Überraschung 😀", "answer": " two\nlines "}, ensure_ascii=False), "   "]
+    path.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\r\n")
+    assert read_task_file(path) == [("Capital of France?", "Paris"), ("Überraschung 😀", " two\nlines ")]
+    assert read_task_file(str(path)) == read_task_file(path)
+
+
+GOOD = json.dumps({"prompt": "p", "answer": "a"})
+
+
+@pytest.mark.parametrize("content, message", [
+    (GOOD + "\n{\"prompt\": \"p\", \"answer\": ", r"line 2: not valid JSON \(JSONDecodeError"),
+    (GOOD + "\n" + GOOD + "\n" + json.dumps({"prompt": "p"}), "line 3: the object has no 'answer' .*'prompt'"),
+    (json.dumps({"prompt": 12, "answer": "a"}), "line 1: 'prompt' must be a string, got a JSON number"),
+    (json.dumps({"prompt": "p", "answer": None}), "line 1: 'answer' must be a string, got a JSON null"),
+    (json.dumps({"prompt": "  ", "answer": "a"}), "line 1: 'prompt' is empty"),
+    (json.dumps(["p", "a"]), "line 1: a JSON array, not an object"),
+    ("\n" + "[" * 100_000 + "]" * 100_000, "line 2: not valid JSON"),
+    ("", "holds no examples"),
+    ("\n  \n\n", "holds no examples"),
+])
+def test_bad_task_files_are_refused_naming_file_and_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError, match=message) as err:
+        read_task_file(path)
+    assert str(path) in str(err.value)
+
+
+def test_task_file_sizes_and_encoding_are_checked(tmp_path, monkeypatch):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(GOOD.encode() + b'\n{"prompt": "\xff", "answer": "a"}')
+    with pytest.raises(ValueError, match=r"t.jsonl, line 2: not UTF-8 text \(invalid start byte at byte 13 of "
+                                         r"the line\)"):
+        read_task_file(path)
+    path.write_text(json.dumps({"prompt": "p" * 101, "answer": "a"}))
+    monkeypatch.setattr(instructions, "MAX_TASK_TEXT_CHARS", 100)
+    with pytest.raises(ValueError, match="line 1: 'prompt' holds 101 characters, more than the 100 allowed"):
+        read_task_file(path)
+    monkeypatch.setattr(instructions, "MAX_TASK_FILE_BYTES", 50)
+    assert path.stat().st_size == 130
+    with pytest.raises(ValueError, match="t.jsonl holds 130 bytes; a task file may hold at most 50"):
+        read_task_file(path)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl not found"):
+        read_task_file(tmp_path / "missing.jsonl")
+
+
+# ---- tokens and labels -----------------------------------------------------------------------------------
+
+def test_labels_by_hand_on_a_byte_tokenizer(byte_tok):
+    data = encode_instructions(byte_tok, [("ab", "c")], context_length=64, system="S")
+    prompt = ([START, *_bytes("system\nS"), END, *_bytes("\n"), START, *_bytes("user\nab"), END, *_bytes("\n"),
+               START, *_bytes("assistant\n")])
+    assert len(prompt) == 32
+    assert data.ids[0].tolist() == prompt + [ord("c"), END] and data.ids[0].dtype == torch.long
+    assert data.labels[0].tolist() == [-100] * 31 + [ord("c"), END, -100]
+    unmasked = encode_instructions(byte_tok, [("ab", "c")], context_length=64, system="S", mask_prompt=False)
+    assert unmasked.ids[0].tolist() == data.ids[0].tolist()
+    assert unmasked.labels[0].tolist() == prompt[1:] + [ord("c"), END, -100]
+    assert data.pad_id == END and encode_instructions(byte_tok, [("a", "b")], context_length=128, pad_id=0).pad_id == 0
+
+
+def test_labels_on_smollm2s_tokenizer_and_the_chat_template(smol_tok, reference_template):
+    question = "Write this date in ISO format: the third of may, nineteen eighty-one"
+    data = encode_instructions(smol_tok, [(question, "1981-05-03")], context_length=128)
+    ids, labels = data.ids[0].tolist(), data.labels[0].tolist()
+    # the answer is one token per character (SmolLM2 splits digits), then <|im_end|>: 11 targets, all at the end
+    answer = [smol_tok.token_str(t) for t in ids[-11:]]
+    assert answer == [*"1981-05-03", "<|im_end|>"]
+    assert labels == [-100] * (len(ids) - 12) + ids[-11:] + [-100]
+    conversation = [{"role": "user", "content": question}, {"role": "assistant", "content": "1981-05-03"}]
+    assert smol_tok.decode(ids) + "\n" == reference_template(conversation, False)
+    assert smol_tok.decode(ids[:-11]) == reference_template(conversation[:1], True)
+    assert SMOLLM2_SYSTEM_PROMPT in smol_tok.decode(ids)
+    assert ids == encode_chat(smol_tok, conversation, add_generation_prompt=False)[:-1]  # the real chat's tokens
+    system = encode_instructions(smol_tok, [(question, "1981-05-03")], context_length=128, system="Be exact.")
+    assert smol_tok.decode(system.ids[0].tolist()) + "\n" == reference_template(
+        [{"role": "system", "content": "Be exact."}, *conversation], False)
+
+
+def test_an_example_longer_than_the_context_is_refused(byte_tok):
+    pairs = [("ab", "c"), ("abcd", "efg")]  # 34 and 38 tokens (system message left out: "S")
+    assert [len(x) for x in encode_instructions(byte_tok, pairs, context_length=38, system="S").ids] == [34, 38]
+    with pytest.raises(ValueError, match=r"example 1 is 38 tokens long \(34 of prompt, 4 of answer and <\|im_end\|>"
+                                         r"\), more than the context length 37"):
+        encode_instructions(byte_tok, pairs, context_length=37, system="S")
+    with pytest.raises(TypeError, match=r"pairs\[1\] must be a \(prompt, answer\) pair of strings"):
+        encode_instructions(byte_tok, [("a", "b"), ("a", 3)], context_length=64)
+    with pytest.raises(ValueError, match="pairs is empty"):
+        encode_instructions(byte_tok, [], context_length=64)
+    with pytest.raises(TypeError, match="special_ids"):
+        encode_instructions(BPETokenizer(()), pairs, context_length=64)
+
+
+def test_instruction_messages_put_shots_before_the_question():
+    assert instruction_messages("Q", shots=[("q1", "a1"), ("q2", "a2")], system="S") == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}, {"role": "user", "content": "Q"}]
+    assert instruction_messages("Q") == [{"role": "user", "content": "Q"}]
+    with pytest.raises(TypeError, match=r"shots\[0\] must be a \(prompt, answer\) pair"):
+        instruction_messages("Q", shots=["q1"])
+
+
+# ---- batches and the masked loss -------------------------------------------------------------------------
+
+PAIRS = [("ab", "c"), ("a longer question", "answer"), ("q", "1981-05-03"), ("why?", "because")]
+
+
+def test_batches_are_reproducible_and_padded_right(byte_tok):
+    data = encode_instructions(byte_tok, PAIRS, context_length=128, system="S")
+    (ids,), targets = instruction_batches(data, 6, 128, torch.Generator().manual_seed(5))
+    (ids2,), targets2 = instruction_batches(data, 6, 128, torch.Generator().manual_seed(5))
+    assert torch.equal(ids, ids2) and torch.equal(targets, targets2)
+    picked = torch.randint(len(PAIRS), (6,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert ids.shape == targets.shape == (6, max(len(data.ids[i]) for i in picked))
+    for row, i in enumerate(picked):
+        n = len(data.ids[i])
+        assert torch.equal(ids[row, :n], data.ids[i]) and torch.equal(targets[row, :n], data.labels[i])
+        assert (ids[row, n:] == END).all() and (targets[row, n:] == -100).all()
+    longest = ids.shape[1]
+    with pytest.raises(ValueError, match=f"a batch holds an example of {longest} tokens, more than context_length 20"):
+        instruction_batches(data, 6, 20, torch.Generator().manual_seed(5))
+    with pytest.raises(TypeError, match="data must be an InstructionData"):
+        instruction_batches([data.ids], 2, 128, torch.Generator())
+
+
+def test_masked_loss_is_the_cross_entropy_of_the_answers(byte_tok):
+    data = encode_instructions(byte_tok, PAIRS, context_length=128, system="S")
+    (ids,), targets = instruction_batches(data, 8, 128, torch.Generator().manual_seed(1))
+    model = _tiny_gpt(byte_tok.vocab_size)
+    with torch.no_grad():
+        logits, loss = model(ids, targets)
+    picked = torch.randint(len(PAIRS), (8,), generator=torch.Generator().manual_seed(1)).tolist()
+    rows, positions, answer_tokens = [], [], []
+    for row, i in enumerate(picked):
+        prompt, answer = PAIRS[i]
+        p = len(encode_chat(byte_tok, [{"role": "system", "content": "S"}, {"role": "user", "content": prompt}]))
+        full = _bytes(answer) + [END]  # position p - 1 + k predicts the answer's token k, the last <|im_end|>
+        rows += [row] * len(full)
+        positions += range(p - 1, p - 1 + len(full))
+        answer_tokens += full
+        with torch.no_grad():  # right padding changes nothing before it: the example alone has the same logits
+            alone, _ = model(data.ids[i][None])
+        torch.testing.assert_close(logits[row, :len(data.ids[i])], alone[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(ids[rows, [q + 1 for q in positions]], torch.tensor(answer_tokens))
+    expected = F.cross_entropy(logits[rows, positions], torch.tensor(answer_tokens))
+    torch.testing.assert_close(loss, expected)
+    assert (targets != -100).sum() == len(answer_tokens)
+
+
+def test_train_accepts_instruction_batches(byte_tok):
+    data = encode_instructions(byte_tok, PAIRS, context_length=64, system="S")
+    model = _tiny_gpt(byte_tok.vocab_size)
+    start = copy.deepcopy(model)
+    config = TrainConfig(batch_size=4, context_length=64, max_steps=20, learning_rate=3e-3, warmup_steps=0,
+                         eval_interval=10, eval_batches=2, progress=False, device="cpu")
+    history = train(model, data, data, config, batches=instruction_batches)
+    (ids,), targets = instruction_batches(data, 4, 64, torch.Generator().manual_seed(config.seed))
+    with torch.no_grad():  # step 1 drew its batch from a generator seeded with config.seed, before any update
+        _, first = start(ids, targets)
+    assert history.train_loss[0] == pytest.approx(first.item(), rel=1e-5)
+    assert history.eval_step == [10, 20] and history.val_loss[1] < history.val_loss[0]
+
+
+# ---- answers and scores ----------------------------------------------------------------------------------
+
+def test_generate_answer_stops_at_im_end(byte_tok):
+    # the reply follows "assistant\n": "\n" -> "4" -> "2" -> <|im_end|>; anything else -> "x"
+    model = _successor_gpt(byte_tok.vocab_size, {ord("\n"): ord("4"), ord("4"): ord("2"), ord("2"): END}, ord("x"))
+    assert generate_answer(model, byte_tok, "What is six times seven?") == "42"
+    assert generate_answer(model, byte_tok, "Q", shots=[("q", "a")], system="S", max_new_tokens=3) == "42"
+    assert generate_answer(model, byte_tok, "Q", max_new_tokens=2) == "42"
+    assert generate_answer(model, byte_tok, "Q", max_new_tokens=1) == "4"
+    score, predictions = exact_match_eval(model, byte_tok, [("a", "42"), ("b", " 42\n"), ("c", "41")])
+    assert score == pytest.approx(2 / 3) and predictions == ["42", "42", "42"]
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        generate_answer(model, byte_tok, "Q", max_new_tokens=0)
+
+
+def test_generate_answer_is_greedy_decoding_of_the_chat_prompt(byte_tok):
+    model = _tiny_gpt(byte_tok.vocab_size, seed=1)
+    shots = [("q1", "a1"), ("q2", "a2")]
+    text = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\na1"
+            "<|im_end|>\n<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\na2<|im_end|>\n<|im_start|>user\n"
+            "Q?<|im_end|>\n<|im_start|>assistant\n")
+    ids = byte_tok.encode(text)  # the chat written out by hand; encode turns the special tokens' text into ids
+    reply = []
+    with torch.no_grad():
+        for _ in range(12):  # greedy, without the KV cache
+            nxt = int(model(torch.tensor([ids + reply]))[0][0, -1].argmax())
+            if nxt == END:
+                break
+            reply.append(nxt)
+    got = generate_answer(model, byte_tok, "Q?", shots=shots, system="Be brief.", max_new_tokens=12)
+    assert got == byte_tok.decode(reply)
+
+
+def test_exact_match_eval_shows_progress(byte_tok, capsys):
+    model = _successor_gpt(byte_tok.vocab_size, {ord("\n"): END}, ord("x"))
+    assert exact_match_eval(model, byte_tok, [("a", " ")], progress=True) == (1.0, [""])
+    assert "exact match" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="pairs is empty"):
+        exact_match_eval(model, byte_tok, [])
+
+
+def test_instruction_data_checks_its_fields():
+    x = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="example 0: ids has 3 tokens but labels 2"):
+        InstructionData([x], [x[:2]], 0)
+    with pytest.raises(TypeError, match=r"labels\[0\] must be a non-empty 1-D int64 tensor"):
+        InstructionData([x], [x.float()], 0)
+    with pytest.raises(ValueError, match="pad_id must be a token id"):
+        InstructionData([x], [x], -1)
+
+
+# ---- SmolLM2 itself --------------------------------------------------------------------------------------
+
+def test_smollm2_answers_held_out_dates_zero_shot():
+    model, tok = load_smollm2()
+    test = date_instructions("test", 5)
+    score, predictions = exact_match_eval(model, tok, test, max_new_tokens=12)  # an ISO date is 10 tokens
+    print(f"SmolLM2-135M-Instruct, zero-shot exact match on 5 held-out dates: {score:.2f}; {predictions}")
+    assert 0.0 <= score <= 1.0 and len(predictions) == 5 and all(isinstance(p, str) for p in predictions)
+    assert score == sum(p.strip() == a for p, (_, a) in zip(predictions, test)) / 5
