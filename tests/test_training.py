@@ -575,6 +575,26 @@ def test_chapter7_model_is_reused_only_under_the_mkl_setting_it_was_trained_with
     assert retrained == [1]
 
 
+def test_chapter7_model_is_reused_only_with_the_cpu_kernels_it_was_trained_with(tmp_path, monkeypatch):
+    # PyTorch's AVX-512, AVX2 and plain kernels differ in the last bits (the checked notebook runs use the plain
+    # ones, ATEN_CPU_CAPABILITY=default): a model trained on others would make chapters 8, 9, 12 print other numbers.
+    from groundup.tokenizers import CharTokenizer
+
+    tokenizer = CharTokenizer.from_text("abcdefgh")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **training.CHAPTER7_MODEL))
+    retrained = []
+    monkeypatch.setattr(training, "train_chapter7_model", lambda **kw: retrained.append(1) or (model, tokenizer, None))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    with training.threads(1):
+        training.save_chapter7_model(model, tokenizer, training.History(), cache_dir=tmp_path)
+    training.chapter7_model(cache_dir=tmp_path)
+    assert retrained == []  # the same kernels: loaded
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    training.chapter7_model(cache_dir=tmp_path)
+    assert retrained == [1]
+
+
 def test_a_chapter7_model_trained_by_chapter7_model_is_reused_by_the_next_call(tmp_path, monkeypatch):
     # It was saved after train's one-thread block had ended, so it recorded the machine's thread count and every
     # later call (chapters 8, 9, 12) trained it again; and it went to the default cache, not cache_dir.

@@ -949,14 +949,16 @@ def save_chapter7_model(model: GPT, tokenizer, history: History, *, cache_dir=No
     """Store the chapter 7 model with its tokenizer's characters and history, for :func:`chapter7_model`.
 
     Call it with one CPU thread in force (as chapter 7 trains): only such a model is reused, because only its
-    weights are the same on every machine. The ``MKL_CBWR`` setting in force is recorded too: a model is reused
-    only under the same setting (see :func:`train_chapter7_model`).
+    weights are the same on every machine. The ``MKL_CBWR`` setting and PyTorch's CPU kernels in force
+    (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` can lower) are recorded too: a
+    model is reused only under the same arithmetic (see :func:`train_chapter7_model`).
     """
     path = chapter7_path(cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_checkpoint(path, model, history=history, train_config=TrainConfig(**CHAPTER7_TRAINING),
                     extra={"chars": list(tokenizer.chars), "threads": torch.get_num_threads(),
-                           "mkl_cbwr": os.environ.get("MKL_CBWR")})
+                           "mkl_cbwr": os.environ.get("MKL_CBWR"),
+                           "cpu_capability": torch.backends.cpu.get_cpu_capability()})
     return path
 
 
@@ -965,8 +967,8 @@ def chapter7_model(*, cache_dir=None, progress: bool = False):
 
     If chapter 7 (or an earlier call) stored a model trained with today's ``CHAPTER7_MODEL`` and
     ``CHAPTER7_TRAINING``, it is loaded; otherwise the model is trained now (about two minutes on two CPU cores)
-    and stored (a model stored under another ``MKL_CBWR`` setting is trained afresh: its weights differ in the
-    last bits). The model is returned in eval mode.
+    and stored (a model stored under another ``MKL_CBWR`` setting or with other CPU kernels is trained afresh:
+    its weights differ in the last bits). The model is returned in eval mode.
     """
     from groundup.tokenizers import CharTokenizer
 
@@ -978,7 +980,9 @@ def chapter7_model(*, cache_dir=None, progress: bool = False):
             shape = {k: ckpt["model_config"][k] for k in CHAPTER7_MODEL}
             one_thread = ckpt["extra"].get("threads") == 1  # trained as chapter 7 trains it: the same weights anywhere
             same_mkl = ckpt["extra"].get("mkl_cbwr") == os.environ.get("MKL_CBWR")  # ... with MKL's same code path
-            if ckpt["train_config"] == expected and shape == CHAPTER7_MODEL and one_thread and same_mkl:
+            same_kernels = ckpt["extra"].get("cpu_capability") == torch.backends.cpu.get_cpu_capability()
+            if ckpt["train_config"] == expected and shape == CHAPTER7_MODEL and one_thread and same_mkl \
+                    and same_kernels:
                 return model.eval(), CharTokenizer(ckpt["extra"]["chars"])
         except (ValueError, KeyError, TypeError):
             pass  # a stale or damaged file: train afresh
