@@ -42,7 +42,9 @@ BASE_NAME = "smollm2"
 
 FINETUNE_DEFAULTS = dict(rank=8, alpha=16.0, steps=100, batch_size=8, lr=2e-3, warmup=10, seed=0, context=128,
                          n_train=1000, n_eval=50, eval_interval=25, eval_batches=4, max_new_tokens=16)
-"""The defaults of ``groundup finetune`` (about 2.5 s per step of 8 dates on two CPU cores)."""
+"""The defaults of ``groundup finetune``. A step of 8 dates (about 75 tokens each) takes about 2.3 s with two
+threads on two otherwise idle CPU cores (measured; 12 s on one thread of a busy machine); answering the 50
+held-out dates about two minutes there."""
 
 DATA_SEED = 0
 """The seed of the data: chapter 10's split of the dates, and the held-out draw of a --data file (not --seed)."""
@@ -337,7 +339,8 @@ def finetune_command(args) -> int:
         _remove_if_unused(out, created)
         return 1
     for (prompt, answer), predicted in list(zip(test_pairs, predictions))[:3]:
-        print(f"  {prompt[-60:]!r} -> {predicted!r} (expected {answer!r})")
+        shown = prompt.rsplit(": ", 1)[-1] if settings["task"] == "dates" else prompt  # the date in words
+        print(f"  {shown if len(shown) <= 60 else '...' + shown[-57:]!r} -> {predicted!r} (expected {answer!r})")
     per_step = history.seconds[-1] / history.step[-1] if history.seconds else math.nan  # evaluations left out
     print(f"done: step {history.step[-1]}, training loss {history.train_loss[-1]:.4f}, validation loss "
           f"{history.val_loss[-1]:.4f} nats per {'answer ' if settings['mask_prompt'] else ''}token; held-out exact "
