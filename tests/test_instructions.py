@@ -349,8 +349,8 @@ def test_instruction_data_checks_its_fields():
 
 def test_smollm2_answers_held_out_dates_zero_shot():
     model, tok = load_smollm2()
-    test = date_instructions("test", 5)
+    test = date_instructions("test", 2)  # two, to keep the suite fast: the measured 0/50 is in the commit history
     score, predictions = exact_match_eval(model, tok, test, max_new_tokens=12)  # an ISO date is 10 tokens
-    print(f"SmolLM2-135M-Instruct, zero-shot exact match on 5 held-out dates: {score:.2f}; {predictions}")
-    assert 0.0 <= score <= 1.0 and len(predictions) == 5 and all(isinstance(p, str) for p in predictions)
-    assert score == sum(p.strip() == a for p, (_, a) in zip(predictions, test)) / 5
+    print(f"SmolLM2-135M-Instruct, zero-shot exact match on 2 held-out dates: {score:.2f}; {predictions}")
+    assert 0.0 <= score <= 1.0 and len(predictions) == 2 and all(isinstance(p, str) for p in predictions)
+    assert score == sum(p.strip() == a for p, (_, a) in zip(predictions, test)) / 2

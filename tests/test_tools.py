@@ -300,18 +300,23 @@ def test_nbval_lanes_run_with_passive_openmp_threads(tmp_path, monkeypatch, caps
     assert nbval_lanes.main(["--", "-q"]) == 0
     assert seen == ["ACTIVE", "ACTIVE"]
 
-def test_notebooks_run_on_mkls_reproducible_code_path(tmp_path, monkeypatch):
-    monkeypatch.delenv("MKL_CBWR", raising=False)
-    assert nbval_lanes.notebook_env()["MKL_CBWR"] == "COMPATIBLE"
-    monkeypatch.setenv("MKL_CBWR", "AVX2")  # a caller's choice is kept
-    assert nbval_lanes.notebook_env(OMP_WAIT_POLICY="PASSIVE")["MKL_CBWR"] == "AVX2"
+def test_notebooks_run_on_one_arithmetic_for_every_cpu(tmp_path, monkeypatch):
+    for name in ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    expected = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "2"}
+    assert {k: nbval_lanes.notebook_env()[k] for k in expected} == expected
+    # the stored outputs were made on this arithmetic: a caller's other choice would print other numbers
+    monkeypatch.setenv("MKL_CBWR", "AVX2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    env = nbval_lanes.notebook_env(OMP_WAIT_POLICY="PASSIVE")
+    assert {k: env[k] for k in expected} == expected and env["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
     (tmp_path / "01_b.ipynb").write_text("{}")
-    monkeypatch.delenv("MKL_CBWR")
     seen = []
     monkeypatch.setattr(nbval_lanes.subprocess, "call", lambda command, *, cwd, env: seen.append(env) or 0)
     assert nbval_lanes.main(["--lanes", "1", "--", "-q"]) == 0
-    assert seen[0]["MKL_CBWR"] == "COMPATIBLE"
+    assert {k: seen[0][k] for k in expected} == expected
 
 
 NANOGPT_STANDIN = '''

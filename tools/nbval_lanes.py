@@ -15,13 +15,22 @@ steal the cores from each other's work: a loop of small tensor operations (chapt
 Adam) measured about 60x slower than alone, and about as fast as alone with the passive policy. The policy does
 not change how work is split among threads, so every printed number stays what the stored outputs show.
 
-Every notebook runs with ``MKL_CBWR=COMPATIBLE`` (unless set already; ``tools/run_notebook.py`` does the same when
-it stores outputs). PyTorch's float32 matrix products go through Intel MKL, which picks a kernel for the CPU it finds,
-and the kernels add up in different orders: on an AMD EPYC with AVX-512 (Zen 4) chapter 7's 60-step loop ends at
-3.257 / 3.26 where the stored outputs say 3.261 / 3.263. MKL's conditional numerical reproducibility mode
-(COMPATIBLE: one code path on every x86-64 CPU) prints the stored numbers there, as on the AVX2 and Intel machines
-the outputs were made on. It costs speed (about half the matmul throughput), so it is set for the notebooks' checked
-runs only, never for the package, the benchmarks or the unit tests.
+Every notebook runs on one arithmetic that every x86-64 CPU performs alike (:data:`REPRODUCIBLE`, which overrides
+the caller's environment; ``tools/run_notebook.py`` uses the same when it stores outputs), because a training run
+amplifies a difference in the last bit of one operation into different printed losses a few hundred steps later:
+- ``MKL_CBWR=COMPATIBLE``: PyTorch's float32 matrix products go through Intel MKL, which picks a kernel for the CPU
+  it finds, and the kernels add up in different orders (chapter 7's 60-step loop ended at 3.257 / 3.26 on an AMD
+  EPYC with AVX-512 where outputs made on an AVX2 machine said 3.261 / 3.263). MKL's conditional numerical
+  reproducibility mode takes one code path on every x86-64 CPU, at about half the matmul throughput.
+- ``ATEN_CPU_CAPABILITY=default``: PyTorch's own kernels come in versions for AVX-512, AVX2 and plain x86-64, and
+  they differ in the last bits. Measured here on one forward and backward pass of chapter 10's encoder-decoder: the
+  sinusoidal embedding (sin, cos, exp) differs between the plain and the vectorised kernels by up to 1.6e-6, a
+  layer norm's output between AVX2 and AVX-512 by up to 4.8e-7; chapter 10's 400 training steps then end at other
+  losses (final 0.0018 vs the stored 0.0021) and another greedy output. The plain x86-64 kernels run on every CPU.
+- ``OMP_NUM_THREADS=2``: how a reduction is split among threads changes its sums too, so the number of threads is
+  fixed rather than taken from the machine's core count (training cells use one thread, ``groundup.utils.threads``).
+The package, the benchmarks and the unit tests run on the machine's fastest kernels; only the checked notebook runs
+pay for this.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 MARKER = "chapter7_model"
-REPRODUCIBLE = {"MKL_CBWR": "COMPATIBLE"}  # MKL's one code path for every CPU (see above)
+REPRODUCIBLE = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "2"}  # see above
 # Checked runs give an exercise checker 60 s before they call the reader's code stuck (readers keep the 10 s of
 # groundup.exercises.checking.DEFAULT_TIMEOUT): the verdict of a correct solution must not depend on how busy or
 # slow the machine is (a 10x slower virtual machine, or two lanes on two cores). No stored output prints the bound.
@@ -45,9 +54,9 @@ CHECKED = {"GROUNDUP_CHECK_TIMEOUT": "60"}
 
 
 def notebook_env(**extra: str) -> dict[str, str]:
-    """The environment notebooks run in: this process's, with :data:`REPRODUCIBLE`, :data:`CHECKED` and ``extra``
-    as defaults."""
-    return {**REPRODUCIBLE, **CHECKED, **extra, **os.environ}
+    """The environment notebooks run in: this process's, with :data:`CHECKED` and ``extra`` as defaults, and
+    :data:`REPRODUCIBLE` always (the stored outputs were made on that arithmetic; another prints other numbers)."""
+    return {**CHECKED, **extra, **os.environ, **REPRODUCIBLE}
 
 
 def lanes(notebooks: list[Path]) -> tuple[list[Path], list[Path]]:

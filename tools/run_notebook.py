@@ -5,7 +5,8 @@
 Syncs the badge, setup and solution cells first (in memory), runs each notebook from a fresh kernel in
 ``notebooks/``, numbers the cells 1..n, sets the standard kernelspec and drops per-cell timing metadata, so the
 stored outputs are what a fresh run prints. The kernel gets the environment the checked runs use
-(``nbval_lanes.notebook_env``: MKL's reproducible code path), so the stored numbers are those of every CPU.
+(``nbval_lanes.notebook_env``: MKL's reproducible code path, PyTorch's plain x86-64 kernels, two threads), so the
+stored numbers are those of every x86-64 CPU.
 The file is rewritten, atomically, only when the whole run succeeded: a malformed notebook is an error naming
 the file, and a failed execution leaves the file as it was.
 """
