@@ -122,7 +122,9 @@ class TransformerBlock(nn.Module):
     Optional config fields (read with defaults, so older configs still work): ``activation``, ``bias`` (all
     linear layers), ``n_kv_heads`` and ``qk_norm`` (see :class:`MultiHeadAttention`), ``norm_eps`` and
     ``parallel_block``: attention and FFN read the same normalised stream and both write to it,
-    ``x + Attn(LN(x)) + FFN(LN(x))`` with one norm (GPT-J, PaLM; Pre-LN only; the block has no ``norm_2``).
+    ``x + Attn(LN(x)) + FFN(LN(x))`` with one norm (GPT-J, PaLM; Pre-LN only; the block has no ``norm_2``);
+    ``ffn=False``: an attention-only block ``x + Attn(LN(x))``, with no ``ffn`` and no ``norm_2`` (chapter 14's
+    induction-head models, :class:`groundup.induction.AttentionOnlyConfig`).
     """
 
     def __init__(self, config):
@@ -136,10 +138,14 @@ class TransformerBlock(nn.Module):
         self.attention = MultiHeadAttention(config.d_model, config.n_heads, dropout=config.dropout, bias=bias,
                                             n_kv_heads=getattr(config, "n_kv_heads", None),
                                             qk_norm=getattr(config, "qk_norm", False), **attn_kwargs)
-        if not self.parallel:
+        self.has_ffn = getattr(config, "ffn", True)
+        if not isinstance(self.has_ffn, bool):
+            raise TypeError(f"config.ffn must be True or False, got {self.has_ffn!r}")
+        if self.has_ffn and not self.parallel:
             self.norm_2 = make_norm(config.norm, config.d_model, eps)
-        self.ffn = FeedForward(config.d_model, config.d_ff, activation=getattr(config, "activation", "gelu"),
-                               bias=bias)
+        if self.has_ffn:
+            self.ffn = FeedForward(config.d_model, config.d_ff, activation=getattr(config, "activation", "gelu"),
+                                   bias=bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, *, mask=None, attn_bias=None, rotary=None, positions=None,
@@ -154,6 +160,8 @@ class TransformerBlock(nn.Module):
             return self.dropout(self.attention(h, mask=mask, attn_bias=attn_bias, rotary=rotary,
                                                positions=positions, cache=cache, is_causal=is_causal))
 
+        if not self.has_ffn:  # attention only: x + Attn(LN(x)) (Pre-LN) or LN(x + Attn(x)) (Post-LN)
+            return x + attend(self.norm_1(x)) if self.norm_position == "pre" else self.norm_1(x + attend(x))
         if self.parallel:
             h = self.norm_1(x)
             x = x + attend(h) + self.dropout(self.ffn(h))

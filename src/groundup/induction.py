@@ -1,0 +1,233 @@
+"""The induction task and attention-only transformers (chapter 14; Elhage et al. 2021, Olsson et al. 2022).
+
+A sequence of random tokens whose second half repeats the first, ``[A B C D | A B C D]``, can be predicted in its
+second half only by looking back: at the second ``B``, find the earlier ``B``, read the token after it (``C``)
+and copy it. A two-layer attention-only transformer learns this with two heads working together: a
+*previous-token head* in layer 1 writes "the token before me" into every position, and an *induction head* in
+layer 2 matches its current token against that written information (K-composition) and copies the token it
+lands on. :mod:`groundup.interpretability` has the scores, ablations and patching that find them.
+
+* :func:`repeated_random_tokens` -- the sequences; :func:`induction_targets` marks the predictable positions;
+* :class:`AttentionOnlyConfig` -- a :class:`~groundup.models.GPTConfig` whose blocks have no FFN;
+* :func:`in_context_loss` -- the loss on the repeated half, the number that shows the phase change;
+* :func:`random_repeats` -- training sequences whose repeat distance varies, and :func:`induction_batches`, their
+  batches for :func:`groundup.training.train` (``batches=``);
+* :func:`hand_built_induction_model` -- a two-layer model whose weights are set by hand to do induction.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from groundup.models import GPT, GPTConfig
+
+IGNORE = -100
+"""The target value :func:`torch.nn.functional.cross_entropy` (and :class:`GPT`'s loss) skips."""
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def repeated_random_tokens(n_seq: int, half_len: int, vocab_size: int,
+                           generator: torch.Generator | None = None) -> torch.Tensor:
+    """``n_seq`` sequences of ``2 * half_len`` token ids: ``half_len`` uniform random ids, then the same again.
+
+    Returns a ``torch.long`` tensor ``(n_seq, 2 * half_len)`` with ``out[:, half_len:] == out[:, :half_len]``.
+    The ids are drawn independently (with replacement) from ``0 .. vocab_size - 1`` by ``generator`` (the global
+    generator when None), so a token may also occur twice within a half.
+    """
+    n_seq, half_len = _positive("n_seq", n_seq), _positive("half_len", half_len)
+    vocab_size = _positive("vocab_size", vocab_size)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    first = torch.randint(0, vocab_size, (n_seq, half_len), generator=generator)
+    return torch.cat([first, first], dim=1)
+
+
+def _check_repeated(tokens) -> int:
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        got = tokens.dtype if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise TypeError(f"tokens must be an integer torch.Tensor of token ids, got {got}")
+    if tokens.dim() != 2 or tokens.shape[1] < 4 or tokens.shape[1] % 2:
+        raise ValueError(f"tokens must have shape (batch, 2 * half_len) with half_len >= 2 (from "
+                         f"repeated_random_tokens), got {tuple(tokens.shape)}")
+    half = tokens.shape[1] // 2
+    if not torch.equal(tokens[:, half:], tokens[:, :half]):
+        raise ValueError("tokens must repeat: the second half of every row must equal its first half")
+    return half
+
+
+def induction_targets(tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token targets for repeated sequences, with only the predictable positions kept.
+
+    With ``H = half_len`` and positions ``0 .. 2H-1``, position ``p`` predicts the token at ``p + 1``. The tokens
+    at ``H + 1 .. 2H - 1`` repeat the ones after an earlier copy of the current token, so they can be predicted
+    from the context; the first half is random and the token at ``H`` (the start of the repeat) cannot be known.
+    So ``targets[:, p] = tokens[:, p + 1]`` for ``p = H .. 2H - 2`` and ``IGNORE`` (-100) elsewhere: ``H - 1``
+    targets per sequence.
+    """
+    half = _check_repeated(tokens)
+    targets = torch.full_like(tokens, IGNORE)
+    targets[:, half:-1] = tokens[:, half + 1:]
+    return targets
+
+
+def in_context_loss(model: GPT, tokens: torch.Tensor) -> float:
+    """The in-context loss: the mean next-token cross-entropy (nats) over the repeated half's predictable tokens.
+
+    ``tokens`` from :func:`repeated_random_tokens`; the targets are :func:`induction_targets`. A model that
+    ignores the context scores at best ``ln(vocab_size)`` (the tokens are uniform); a model that copies from
+    the first half scores near 0. Computed without gradients, in eval mode (the mode is restored).
+    """
+    targets = induction_targets(tokens)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _, loss = model(tokens, targets)
+    finally:
+        model.train(was_training)
+    return float(loss)
+
+
+def random_repeats(n_seq: int, length: int, vocab_size: int, generator: torch.Generator | None = None, *,
+                   min_half: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences that repeat a random segment after a random prefix, with varying lengths: ``(tokens, targets)``.
+
+    Each row of ``length`` tokens is ``[prefix, A, A]``: a segment ``A`` of ``H`` uniform random tokens, ``H``
+    drawn uniformly from ``min_half .. length // 2`` for each row, repeated once, after ``length - 2H`` random
+    tokens. ``targets`` (same shape) holds the next token where it can be predicted from the context (the
+    tokens 2 .. H of the second copy, as in :func:`induction_targets`) and ``IGNORE`` elsewhere.
+
+    Why not train on :func:`repeated_random_tokens` alone: there the copy is always exactly ``H`` positions back,
+    so a single layer with learned positions can attend to position ``i - H + 1`` by position alone, without
+    reading the tokens -- a positional shortcut, not induction (measured: a one-layer head then scores 0.86 on
+    :func:`~groundup.interpretability.induction_scores`). A varying distance leaves only the content-based
+    mechanism, previous-token head and induction head, which then also works on the fixed-length test sequences.
+    """
+    n_seq, length = _positive("n_seq", n_seq), _positive("length", length)
+    vocab_size, min_half = _positive("vocab_size", vocab_size), _positive("min_half", min_half)
+    if min_half < 2 or 2 * min_half > length:
+        raise ValueError(f"min_half must be in 2 .. length // 2 = {length // 2}, got {min_half}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    tokens = torch.randint(0, vocab_size, (n_seq, length), generator=generator)
+    halves = torch.randint(min_half, length // 2 + 1, (n_seq,), generator=generator)
+    targets = torch.full_like(tokens, IGNORE)
+    for row, h in enumerate(halves.tolist()):
+        start = length - 2 * h
+        tokens[row, start + h:] = tokens[row, start:start + h]
+        targets[row, start + h:-1] = tokens[row, start + h + 1:]
+    return tokens, targets
+
+
+def induction_batches(vocab_size: int, batch_size: int, context_length: int,
+                      generator: torch.Generator) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+    """One training batch for :func:`groundup.training.train` with ``batches=induction_batches``.
+
+    ``vocab_size`` is what ``train`` passes as its data (``train(model, vocab_size, vocab_size, config,
+    batches=induction_batches)``); ``context_length`` is the length of a sequence. The rows come from
+    :func:`random_repeats` (``min_half=4``), whose targets count only the predictable tokens: the training loss
+    is an in-context loss. Returns ``((tokens,), targets)``.
+    """
+    tokens, targets = random_repeats(batch_size, context_length, vocab_size, generator)
+    return (tokens,), targets
+
+
+@dataclass
+class AttentionOnlyConfig(GPTConfig):
+    """A :class:`~groundup.models.GPTConfig` for an attention-only transformer: every block is
+    ``x + Attn(LN(x))``, with no feed-forward network (``ffn=False``, read by
+    :class:`~groundup.layers.TransformerBlock`). Two layers by default, as in Elhage et al. (2021).
+
+    ``ffn`` is a field so that it shows in the configuration stored with a checkpoint; it must stay False (use
+    :class:`GPTConfig` for blocks with an FFN). ``d_ff`` is kept (and ignored) so every other field means what
+    it means in :class:`GPTConfig`.
+    """
+
+    n_layers: int = 2
+    ffn: bool = False
+
+    def __post_init__(self):
+        if self.ffn is not False:
+            raise ValueError(f"AttentionOnlyConfig has no FFN: ffn must be False (use GPTConfig for blocks with an "
+                             f"FFN), got {self.ffn!r}")
+        super().__post_init__()
+
+
+def hand_built_induction_model(vocab_size: int, context_length: int, *, sharpness: float = 40.0,
+                               confidence: float = 30.0) -> GPT:
+    """A two-layer, two-heads-a-layer attention-only :class:`GPT` whose weights do induction, set by hand.
+
+    The residual stream has four blocks of one-hot coordinates, ``d_model = 3 vocab_size + context_length``
+    (plus one when that is odd, to split into two heads): ``TOK`` (the current token, from ``W_E``), ``POS`` (the
+    position, from the learned positional embedding), ``PREV`` and ``OUT`` (both empty at the input). The norms
+    are RMSNorms with γ = 1: every position's stream holds the same number of unit vectors, so a norm multiplies
+    all positions by the same factor, which the weights divide out.
+
+    * Layer 1, head 0, the **previous-token head**: query ``POS_{i-1}`` (a shift of ``POS_i``), key ``POS_j``,
+      so position ``i`` attends to ``i - 1`` (position 0 to itself); value ``TOK``, written to ``PREV``.
+    * Layer 2, head 0, the **induction head**: query ``TOK_i``, key ``PREV_j``, so position ``i`` attends to the
+      positions right after earlier copies of its token (position 0, whose ``PREV`` holds its own token, is
+      pushed away by one more key coordinate); value ``TOK``, written to ``OUT``. This is K-composition: the
+      key reads what head 1.0 wrote.
+    * Heads 0.1 (attends to itself) and 1.1 (uniform) write nothing: decoys for the scores.
+    * The unembedding reads ``OUT``: the logit of token ``v`` is ``confidence`` times ``OUT_v`` (up to the final
+      norm's common factor).
+
+    ``sharpness`` is the gap between the matching and the other attention scores (after the 1/√d_head), so the
+    softmax puts all but about ``exp(-sharpness)`` of the weight on the match. On sequences whose first half has
+    no repeated token (e.g. a random permutation, repeated), the in-context loss is near 0.
+    """
+    v, n = _positive("vocab_size", vocab_size), _positive("context_length", context_length)
+    for name, value in (("sharpness", sharpness), ("confidence", confidence)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    d = 3 * v + n + (3 * v + n) % 2
+    d_head = d // 2
+    if d_head < max(n, v + 1):  # needs 3v >= n
+        raise ValueError(f"context_length ({n}) must be at most 3 * vocab_size ({3 * v}) for the hand-built heads "
+                         "to fit in d_head = d_model / 2")
+    tok, pos, prev, out = 0, v, v + n, 2 * v + n  # where each block of coordinates starts
+    config = AttentionOnlyConfig(vocab_size=v, context_length=n, d_model=d, n_layers=2, n_heads=2,
+                                 positional="learned", norm="rmsnorm", bias=False, tie_weights=False)
+    model = GPT(config)
+    s1, s2 = math.sqrt(d / 2), math.sqrt(d / 3)  # RMSNorm's factor: 2 (layer 1) and 3 (layer 2) unit vectors
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for name, p in model.named_parameters():
+            if name.endswith("norm_1.weight") or name == "final_norm.weight":
+                p.fill_(1.0)
+        model.token_embedding.weight[:, tok:tok + v] = torch.eye(v)
+        model.position_embedding.weight[:, pos:pos + n] = torch.eye(n)
+        a1 = sharpness * math.sqrt(d_head) / s1 ** 2  # query scale: the score gap is `sharpness`
+        a2 = sharpness * math.sqrt(d_head) / s2 ** 2
+        att1, att2 = model.blocks[0].attention, model.blocks[1].attention
+        h1 = slice(d_head, 2 * d_head)  # rows of head 1 in W_q / W_k / W_v
+        # layer 1, head 0: previous token (query row r reads POS_{r+1}, key row r reads POS_r)
+        for r in range(n - 1):
+            att1.W_q.weight[r, pos + r + 1] = a1
+        att1.W_k.weight[:n, pos:pos + n] = torch.eye(n)
+        att1.W_v.weight[:v, tok:tok + v] = torch.eye(v)
+        att1.W_o.weight[prev:prev + v, :v] = torch.eye(v) / s1
+        # layer 1, head 1: a decoy that attends to its own position and writes nothing
+        att1.W_q.weight[h1][:n, pos:pos + n] = a1 * torch.eye(n)
+        att1.W_k.weight[h1][:n, pos:pos + n] = torch.eye(n)
+        # layer 2, head 0: induction (query TOK, key PREV; key coordinate v pushes position 0 away)
+        att2.W_q.weight[:v, tok:tok + v] = a2 * torch.eye(v)
+        att2.W_q.weight[v, tok:tok + v] = a2
+        att2.W_k.weight[:v, prev:prev + v] = torch.eye(v)
+        att2.W_k.weight[v, pos] = -2.0
+        att2.W_v.weight[:v, tok:tok + v] = torch.eye(v)
+        att2.W_o.weight[out:out + v, :v] = torch.eye(v) / s2
+        # layer 2, head 1: a decoy with zero weights (uniform attention, writes nothing)
+        model.unembedding.weight[:, out:out + v] = confidence * math.sqrt(4 / d) * torch.eye(v)
+    return model
