@@ -19,9 +19,9 @@ Every notebook runs on one arithmetic that every x86-64 CPU performs alike (:dat
 the caller's environment; ``tools/run_notebook.py`` uses the same when it stores outputs), because a training run
 amplifies a difference in the last bit of one operation into different printed losses a few hundred steps later:
 - ``MKL_CBWR=COMPATIBLE``: PyTorch's float32 matrix products go through Intel MKL, which picks a kernel for the CPU
-  it finds, and the kernels add up in different orders (chapter 7's 60-step loop ended at 3.257 / 3.26 on an AMD
-  EPYC with AVX-512 where outputs made on an AVX2 machine said 3.261 / 3.263). MKL's conditional numerical
-  reproducibility mode takes one code path on every x86-64 CPU, at about half the matmul throughput.
+  it finds, and the kernels add up in different orders (without this setting, chapter 7's 60-step loop printed
+  other losses in the third decimal on an AMD EPYC than on the machine its outputs were made on). MKL's conditional
+  numerical reproducibility mode takes one code path on every x86-64 CPU, at about half the matmul throughput.
 - ``ATEN_CPU_CAPABILITY=default``: PyTorch's own kernels come in versions for AVX-512, AVX2 and plain x86-64, and
   they differ in the last bits. Measured here on one forward and backward pass of chapter 10's encoder-decoder: the
   sinusoidal embedding (sin, cos, exp) differs between the plain and the vectorised kernels by up to 1.6e-6, a

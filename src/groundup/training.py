@@ -911,7 +911,7 @@ CHAPTER7_MODEL = dict(context_length=64, d_model=128, n_layers=4, n_heads=4, pos
 """The chapter 7 GPT's shape (with ``vocab_size`` from the corpus's characters)."""
 CHAPTER7_TRAINING = dict(batch_size=12, max_steps=2000, learning_rate=3e-3, warmup_steps=100, eval_interval=250,
                          eval_batches=20, seed=0)
-"""How chapter 7 trains it: about two minutes on two CPU cores."""
+"""How chapter 7 trains it: 2000 steps, about five to ten minutes on one CPU thread."""
 
 
 def chapter7_path(cache_dir=None) -> Path:
@@ -927,8 +927,9 @@ def train_chapter7_model(*, progress: bool = False, cache_dir=None):
     Exactly what chapter 7 runs: the corpus's characters as the vocabulary, the first 90 % for training,
     ``torch.manual_seed(0)`` before building ``GPT(GPTConfig(**CHAPTER7_MODEL))``, then :func:`train` with
     ``TrainConfig(**CHAPTER7_TRAINING)`` on one CPU thread. The result is saved for :func:`chapter7_model`. The
-    weights are the same on every machine when MKL's reproducible code path is on (``MKL_CBWR=COMPATIBLE`` in the
-    environment, as the book's notebooks run); MKL's own kernel choice differs between CPUs in the last bits.
+    weights are the same on every machine when MKL's reproducible code path and PyTorch's plain x86-64 kernels are
+    on (``MKL_CBWR=COMPATIBLE`` and ``ATEN_CPU_CAPABILITY=default`` in the environment, as the book's checked
+    notebook runs set them); the kernels each picks for the CPU it finds differ between CPUs in the last bits.
     It is saved while the one thread is still in force, so :func:`chapter7_model` reuses it.
     """
     from groundup.data import load_corpus, train_val_split
@@ -966,7 +967,7 @@ def chapter7_model(*, cache_dir=None, progress: bool = False):
     """The chapter 7 model and its tokenizer, ``(model, tokenizer)``, trained once and then loaded.
 
     If chapter 7 (or an earlier call) stored a model trained with today's ``CHAPTER7_MODEL`` and
-    ``CHAPTER7_TRAINING``, it is loaded; otherwise the model is trained now (about two minutes on two CPU cores)
+    ``CHAPTER7_TRAINING``, it is loaded; otherwise the model is trained now (five to ten minutes on one thread)
     and stored (a model stored under another ``MKL_CBWR`` setting or with other CPU kernels is trained afresh:
     its weights differ in the last bits). The model is returned in eval mode.
     """
