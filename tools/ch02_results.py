@@ -27,19 +27,18 @@ Each entry records the command that made it; running a command again replaces it
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from results_file import add_entry
 
 from groundup.data import load_corpus
 from groundup.models import GPT, GPTConfig
 from groundup.tokenizers import BPETokenizer, CharTokenizer
 from groundup.training import TrainConfig, train
-from groundup.utils import atomic_write_text
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter02.json"
 TOKENIZERS = {"chars": None, "bpe512": 512, "bpe1024": 1024, "bpe2048": 2048, "bpe4096": 4096}
@@ -97,14 +96,11 @@ def run(name: str, tokenizer, text: str, seed: int) -> dict:
 
 
 def store(key: str, entry: dict) -> None:
-    results = json.loads(OUT.read_text()) if OUT.exists() else {}
-    results["about"] = ("Runs for chapter 2's 'Use it' section (one CPU thread each, see tools/ch02_results.py); "
-                        "each entry says which command made it.")
-    results["setup"] = {"shape": SHAPE, "training": TRAINING, "bpe_trained_on_characters": TRAIN_BYTES,
-                        "split": "first 90 % of the corpus's characters for training, last 10 % for validation"}
-    results.setdefault("runs", {})[key] = entry
-    results["runs"] = dict(sorted(results["runs"].items()))
-    atomic_write_text(OUT, json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    add_entry(OUT, key, entry, header={
+        "about": ("Runs for chapter 2's 'Use it' section (one CPU thread each, see tools/ch02_results.py); "
+                  "each entry says which command made it."),
+        "setup": {"shape": SHAPE, "training": TRAINING, "bpe_trained_on_characters": TRAIN_BYTES,
+                  "split": "first 90 % of the corpus's characters for training, last 10 % for validation"}})
 
 
 def main(argv=None) -> None:

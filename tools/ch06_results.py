@@ -33,21 +33,18 @@ its entry. The runs are deterministic on one thread, so the stored numbers are w
 from __future__ import annotations
 
 import argparse
-import fcntl
-import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from results_file import add_entry
 
 from groundup.data import load_corpus, train_val_split
 from groundup.models import GPT, GPTConfig
 from groundup.tokenizers import CharTokenizer
 from groundup.training import TrainConfig, train
-from groundup.utils import atomic_write_text
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter06.json"
 
@@ -123,17 +120,8 @@ def corpus_stats() -> dict:
 
 
 def store(key: str, entry: dict) -> None:
-    """Add one entry to the JSON file (locked, so several commands may run at once)."""
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(OUT.parent, os.O_RDONLY)  # lock the folder, so no lock file is left behind
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        results = json.loads(OUT.read_text()) if OUT.exists() else {}
-        results[key] = entry
-        results = dict(sorted(results.items()))
-        atomic_write_text(OUT, json.dumps(results, indent=1) + "\n")
-    finally:
-        os.close(fd)
+    """Add one entry to the JSON file (several commands may run at once: see tools/results_file.py)."""
+    add_entry(OUT, key, entry, section=None)
 
 
 def main(argv=None) -> None:

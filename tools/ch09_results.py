@@ -21,18 +21,17 @@ made it; running a command again replaces its entry.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
+from results_file import add_entry
 
 from groundup.data import load_corpus, train_val_split
 from groundup.masking import mask_tokens, masked_lm_batches
 from groundup.models import GPT, GPTConfig, MaskedLM, MaskedLMConfig
 from groundup.tokenizers import CharTokenizer
 from groundup.training import CHAPTER7_MODEL, CHAPTER7_TRAINING, TrainConfig, chapter7_model, train
-from groundup.utils import atomic_write_text
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter09.json"
 VARIANTS = {  # name in the command: (name in the notebook, mask_fraction, random_fraction)
@@ -124,12 +123,8 @@ def run_gpt(seed: int):
 
 
 def store(key: str, entry: dict) -> None:
-    results = json.loads(OUT.read_text()) if OUT.exists() else {}
-    results["about"] = ("Runs for chapter 9 (one CPU thread each, see tools/ch09_results.py); each entry says which "
-                        "command made it.")
-    results.setdefault("runs", {})[key] = entry
-    results["runs"] = dict(sorted(results["runs"].items()))
-    atomic_write_text(OUT, json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    add_entry(OUT, key, entry, header={"about": ("Runs for chapter 9 (one CPU thread each, see tools/ch09_results.py); "
+                                                 "each entry says which command made it.")})
 
 
 def main(argv=None) -> None:

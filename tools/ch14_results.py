@@ -47,8 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
-import json
 import os
 import statistics
 import sys
@@ -56,6 +54,7 @@ import time
 from pathlib import Path
 
 import torch
+from results_file import add_entry
 
 from groundup.induction import AttentionOnlyConfig, in_context_loss, induction_batches, repeated_random_tokens
 from groundup.interpretability import (
@@ -69,7 +68,6 @@ from groundup.interpretability import (
 )
 from groundup.models import GPT
 from groundup.training import TrainConfig, train
-from groundup.utils import atomic_write_text
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter14.json"
 MODEL = dict(vocab_size=64, context_length=32, d_model=64, n_layers=2, n_heads=4, positional="rope",
@@ -189,20 +187,10 @@ def run_seed(seed: int, *, model: dict | None = None, training: dict | None = No
 
 
 def store(key: str, entry: dict) -> None:
-    """Add one entry to the JSON file (locked, so several commands may run at once)."""
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(OUT.parent, os.O_RDONLY)  # lock the folder, so no lock file is left behind
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        results = json.loads(OUT.read_text()) if OUT.exists() else {}
-        results["about"] = ("Induction-head runs for chapter 14 (one CPU thread each); see tools/ch14_results.py's "
-                            "docstring for what is measured and the phase-change rule. Each entry says which command "
-                            "made it.")
-        results.setdefault("runs", {})[key] = entry
-        results["runs"] = dict(sorted(results["runs"].items()))
-        atomic_write_text(OUT, json.dumps(results, indent=1) + "\n")
-    finally:
-        os.close(fd)
+    """Add one entry to the JSON file (several commands may run at once: see tools/results_file.py)."""
+    add_entry(OUT, key, entry, header={
+        "about": ("Induction-head runs for chapter 14 (one CPU thread each); see tools/ch14_results.py's docstring "
+                  "for what is measured and the phase-change rule. Each entry says which command made it.")})
 
 
 def main(argv=None) -> None:
