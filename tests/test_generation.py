@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from groundup.attention import KVCache
-from groundup.generation import TOP_P_TOLERANCE, generate, top_k_filter, top_p_filter
+from groundup.generation import TOP_P_TOLERANCE, beam_search, generate, top_k_filter, top_p_filter
 from groundup.models import GPT, POSITIONALS, GPTConfig
 
 INF = float("-inf")
@@ -481,3 +481,133 @@ def test_bench_versus_transformers_builds_the_same_gpt2_on_both_sides():
                              "prefill_theirs"] and all(len(v) == 2 for v in times.values())
     rows = bench.comparison_rows("stand-in", times, 6, 5, "target <= 0.75x")
     assert [r.unit for r in rows] == ["s", "s", "x", "ms", "x", "ms", "x"]
+
+
+# ---- beam_search ------------------------------------------------------------------------------------------
+
+
+class TableModel(nn.Module):
+    """A stand-in GPT whose next-token log-probabilities depend on the last two tokens through a fixed table."""
+
+    def __init__(self, vocab_size=3, seed=0, context_length=16):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        table = torch.randn(vocab_size, vocab_size, vocab_size, generator=g, dtype=torch.float64) * 2
+        self.table = nn.Parameter(torch.log_softmax(table, dim=-1), requires_grad=False)
+        self.config = GPTConfig(vocab_size=vocab_size, context_length=context_length, d_model=2, n_layers=1,
+                                n_heads=1)
+
+    def new_cache(self):
+        return [KVCache()]
+
+    def forward(self, idx, targets=None, *, cache=None):
+        prev = torch.cat([idx[:, :1], idx[:, :-1]], dim=1)  # the first position's "previous" is itself
+        return self.table[prev, idx], None
+
+
+def brute_force_best(model, prompt, n):
+    """Every continuation of length n scored by the model's summed log-probabilities: (best ids, its score)."""
+    import itertools
+
+    best, best_score = None, -math.inf
+    for cont in itertools.product(range(model.config.vocab_size), repeat=n):
+        seq = torch.tensor([prompt + list(cont)])
+        score = sequence_log_prob(model, seq, len(prompt))
+        if score > best_score:
+            best, best_score = seq, score
+    return best, best_score
+
+
+def sequence_log_prob(model, seq, n_prompt):
+    """sum_t log P(seq[t] | seq[:t]) over the continuation, from one full forward pass."""
+    with torch.no_grad():
+        logits, _ = model(seq)
+    logp = torch.log_softmax(logits.double(), dim=-1)[0, n_prompt - 1:-1]
+    return float(logp.gather(-1, seq[0, n_prompt:, None]).sum())
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_beam_width_1_is_greedy_token_for_token_also_past_the_context(use_cache):
+    model = small_gpt(context_length=6)
+    idx = torch.tensor([[1, 2, 3], [4, 5, 0]])
+    got = beam_search(model, idx, 9, beam_width=1, use_cache=use_cache)
+    assert torch.equal(got, reference_greedy(model, idx, 9))
+    assert torch.equal(got, generate(model, idx, 9, greedy=True))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_a_wide_beam_finds_the_most_probable_sequence_by_brute_force(seed):
+    model = TableModel(vocab_size=3, seed=seed)
+    best, best_score = brute_force_best(model, [0], 4)
+    got, score = beam_search(model, torch.tensor([[0]]), 4, beam_width=27, return_scores=True)
+    assert torch.equal(got, best)
+    assert float(score[0]) == pytest.approx(best_score, abs=1e-12)
+    narrow, narrow_score = beam_search(model, torch.tensor([[0]]), 4, beam_width=2, return_scores=True)
+    assert float(narrow_score[0]) <= best_score + 1e-12
+
+
+def test_beam_search_beats_greedy_on_a_hand_set_distribution():
+    """After token 0, token 1 is likelier (0.6) than 2 (0.4), but 1 is followed by a flat distribution over 3
+    tokens (best 1/3) while 2 is followed by 0 with probability 0.9: 0.6/3 = 0.2 < 0.4 * 0.9 = 0.36."""
+    probs = torch.full((3, 3, 3), 1 / 3, dtype=torch.float64)
+    probs[:, 0] = torch.tensor([0.0, 0.6, 0.4], dtype=torch.float64)
+    probs[:, 2] = torch.tensor([0.9, 0.05, 0.05], dtype=torch.float64)
+    model = TableModel(vocab_size=3)
+    model.table.data = probs.log()
+    greedy = beam_search(model, torch.tensor([[0]]), 2, beam_width=1)
+    assert greedy[0, 1:].tolist() == [1, 0]
+    got, score = beam_search(model, torch.tensor([[0]]), 2, beam_width=2, return_scores=True)
+    assert got[0, 1:].tolist() == [2, 0]
+    assert float(score[0]) == pytest.approx(math.log(0.36), abs=1e-12)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_beam_scores_are_the_models_summed_log_probabilities_and_the_cache_changes_nothing(use_cache):
+    model = small_gpt(context_length=6, positional="rope")
+    idx = torch.tensor([[1, 2, 3], [7, 7, 0]])
+    got, scores = beam_search(model, idx, 3, beam_width=4, return_scores=True, use_cache=use_cache)
+    for row in range(2):
+        assert float(scores[row]) == pytest.approx(sequence_log_prob(model, got[row:row + 1], 3), abs=1e-9)
+        alone = beam_search(model, idx[row:row + 1], 3, beam_width=4)
+        assert torch.equal(alone[0], got[row])  # a batch searches each row as if alone
+    greedy = generate(model, idx, 3, greedy=True)
+    for row in range(2):
+        assert float(scores[row]) >= sequence_log_prob(model, greedy[row:row + 1], 3) - 1e-9
+    other = beam_search(model, idx, 3, beam_width=4, use_cache=not use_cache)
+    assert torch.equal(got, other)
+
+
+def test_beam_search_with_an_end_token_stops_the_hypothesis_and_pads_it():
+    """Token 2 is the end token. From 0, ending at once has probability 0.5 and 1 then the end 0.5 * 0.9 = 0.45:
+    ranked by probability the short one wins; by log-probability per token (length_penalty=1) the long one does,
+    log(0.45) / 2 = -0.40 > log(0.5) / 1 = -0.69. A finished hypothesis is padded with the end token."""
+    probs = torch.full((3, 3, 3), 1 / 3, dtype=torch.float64)
+    probs[:, 0] = torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64)  # after 0: 1 or the end
+    probs[:, 1] = torch.tensor([0.0, 0.1, 0.9], dtype=torch.float64)  # after 1: mostly the end
+    model = TableModel(vocab_size=3)
+    model.table.data = probs.log()
+    got, score = beam_search(model, torch.tensor([[0]]), 4, beam_width=3, end_id=2, return_scores=True)
+    assert got[0].tolist() == [0, 2, 2, 2, 2]
+    assert float(score[0]) == pytest.approx(math.log(0.5), abs=1e-12)
+    got, score = beam_search(model, torch.tensor([[0]]), 4, beam_width=3, end_id=2, length_penalty=1.0,
+                             return_scores=True)
+    assert got[0].tolist() == [0, 1, 2, 2, 2]
+    assert float(score[0]) == pytest.approx(math.log(0.45), abs=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"beam_width": 0}, "beam_width must be an integer >= 1"),
+    ({"beam_width": 2.0}, "beam_width must be an integer >= 1"),
+    ({"length_penalty": -1.0}, "length_penalty must be a finite number >= 0"),
+    ({"end_id": 11}, "end_id must be a token id"),
+])
+def test_beam_search_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        beam_search(small_gpt(), torch.tensor([[1]]), 2, **kwargs)
+
+
+def test_beam_search_restores_the_training_flag():
+    model = small_gpt()
+    model.train()
+    beam_search(model, torch.tensor([[1, 2]]), 2)
+    assert model.training

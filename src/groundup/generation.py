@@ -2,6 +2,9 @@
 
 * :func:`generate` -- the sampling loop: greedy (argmax) decoding or sampling with a temperature, top-k and
   top-p (nucleus) filtering, with or without a KV cache, for a batch of prompts;
+* :func:`beam_search` -- keep the ``beam_width`` most probable continuations instead of sampling one; its step
+  (:func:`beam_step`) and final choice (:func:`best_beam`) are shared with chapter 10's encoder-decoder
+  (:func:`groundup.seq2seq.beam_search`);
 * :func:`top_k_filter` -- keep the ``k`` largest logits of every distribution (Fan et al., 2018);
 * :func:`top_p_filter` -- keep the smallest set of most probable tokens whose probability reaches ``p``
   (Holtzman et al., 2020).
@@ -20,7 +23,7 @@ from torch import nn
 
 from groundup.attention import reusing_stacked_weights
 
-__all__ = ["generate", "top_k_filter", "top_p_filter", "TOP_P_TOLERANCE"]
+__all__ = ["generate", "beam_search", "beam_step", "best_beam", "top_k_filter", "top_p_filter", "TOP_P_TOLERANCE"]
 
 TOP_P_TOLERANCE = 1e-6
 """Probability mass by which a cumulative sum may fall short of ``p`` and still count as reaching it.
@@ -218,3 +221,124 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temper
     finally:
         model.train(was_training)
     return out
+
+
+# ---- beam search -------------------------------------------------------------------------------------------
+
+
+def _rank(scores: torch.Tensor, lengths: torch.Tensor, length_penalty: float) -> torch.Tensor:
+    """``scores / lengths^length_penalty`` (``scores`` itself for 0), ``-inf`` scores staying ``-inf``."""
+    if not length_penalty:
+        return scores.clone()
+    return (scores / lengths.clamp(min=1) ** length_penalty).masked_fill(torch.isneginf(scores), float("-inf"))
+
+
+def beam_step(logp: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor, *,
+              length_penalty: float = 0.0, end_id: int | None = None, fill_id: int | None = None):
+    """One step of beam search for ``batch`` searches of ``k`` hypotheses each.
+
+    ``logp (batch, k, n_V)`` holds each hypothesis's next-token log-probabilities, ``scores (batch, k)`` their
+    log-probabilities so far (``-inf`` for an empty slot), ``lengths (batch, k)`` their token counts (the end token
+    included) and ``finished (batch, k)`` whether they have emitted ``end_id``. A finished hypothesis is extended
+    only by ``fill_id``, at no cost and without growing; every other one by every token. The ``k`` best of the
+    ``k × n_V`` candidates survive, ranked by ``score / length^length_penalty``.
+
+    Returns ``(beam, token, scores, lengths, finished)``: for each survivor ``(batch, k)``, the index of the
+    hypothesis it extends, its new token, and its updated score, length and finished flag.
+    """
+    batch, k, n_v = logp.shape
+    if finished.any():
+        frozen = torch.full((n_v,), float("-inf"), dtype=logp.dtype, device=logp.device)
+        frozen[fill_id] = 0.0
+        logp = torch.where(finished[..., None], frozen, logp)
+    cand = scores[..., None] + logp  # (batch, k, n_V)
+    cand_len = (lengths[..., None] + (~finished[..., None]).to(lengths.dtype)).expand(-1, -1, n_v)
+    top = _rank(cand, cand_len, length_penalty).view(batch, -1).topk(k, dim=-1).indices  # (batch, k)
+    beam, token = top // n_v, top % n_v
+    scores = cand.reshape(batch, -1).gather(1, top)
+    lengths = cand_len.reshape(batch, -1).gather(1, top)
+    finished = finished.gather(1, beam)
+    if end_id is not None:
+        finished = finished | (token == end_id)
+    return beam, token, scores, lengths, finished
+
+
+def best_beam(scores: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor,
+              length_penalty: float = 0.0) -> torch.Tensor:
+    """The index ``(batch,)`` of each search's winner: the best-ranked finished hypothesis, or the best-ranked
+    of all when none finished (ranked as in :func:`beam_step`)."""
+    final = _rank(scores, lengths, length_penalty)
+    final = final.masked_fill(~finished & finished.any(dim=1, keepdim=True), float("-inf"))  # finished first
+    return final.argmax(dim=1)
+
+
+def _check_beam_args(beam_width, length_penalty, end_id, vocab_size, return_scores) -> None:
+    if not _is_int(beam_width) or beam_width < 1:
+        raise ValueError(f"beam_width must be an integer >= 1 (1 is greedy decoding), got {beam_width!r}")
+    if not _is_number(length_penalty) or not math.isfinite(length_penalty) or length_penalty < 0:
+        raise ValueError(f"length_penalty must be a finite number >= 0, got {length_penalty!r}")
+    if end_id is not None and (not _is_int(end_id) or not 0 <= end_id < vocab_size):
+        raise ValueError(f"end_id must be a token id in [0, vocab_size - 1] = [0, {vocab_size - 1}] or None, "
+                         f"got {end_id!r}")
+    if not isinstance(return_scores, bool):
+        raise TypeError(f"return_scores must be True or False, got {return_scores!r}")
+
+
+def beam_search(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, beam_width: int = 4,
+                length_penalty: float = 0.0, end_id: int | None = None, use_cache: bool = True,
+                return_scores: bool = False):
+    """Continue each prompt in ``idx (batch, seq)`` by the most probable continuation beam search finds.
+
+    Every step extends each of the ``beam_width`` kept hypotheses by every token and keeps the ``beam_width``
+    candidates with the highest log-probability ``sum log P(token | before)`` (the step is :func:`beam_step`,
+    shared with chapter 10's :func:`groundup.seq2seq.beam_search`). ``beam_width=1`` is greedy decoding; a beam
+    wide enough to hold every sequence finds the most probable continuation exactly.
+
+    Without ``end_id`` every hypothesis has ``max_new_tokens`` tokens and the most probable one wins. With
+    ``end_id`` a hypothesis that emits it is finished: it keeps its score, is padded with ``end_id`` at no cost,
+    and competes with the others ranked by ``log P / len^length_penalty`` (``len`` counting the end token;
+    ``length_penalty`` only matters then); the best finished hypothesis wins, an unfinished one only if none did.
+
+    Returns the prompts followed by the chosen continuations, a ``(batch, seq + max_new_tokens)`` LongTensor,
+    and with ``return_scores=True`` also their log-probabilities, a float tensor ``(batch,)``. The KV cache works
+    as in :func:`generate` (after each step the caches' rows are reordered to follow their hypotheses); once the
+    sequence outgrows the context every step re-runs the cropped window. Eval mode, no gradients.
+    """
+    _check_generate_args(model, idx, max_new_tokens, 1.0, None, None, True, use_cache, None)
+    _check_beam_args(beam_width, length_penalty, end_id, model.config.vocab_size, return_scores)
+    context_length, k, batch = model.config.context_length, beam_width, idx.shape[0]
+    device = next(model.parameters()).device
+    out = idx.to(device=device, dtype=torch.long).repeat_interleave(k, dim=0)  # (batch * k, seq)
+    last = {"last_only": True} if _takes_last_only(model) else {}
+    scores = torch.full((batch, k), float("-inf"), dtype=torch.float64, device=device)
+    scores[:, 0] = 0.0  # at the start every hypothesis is the prompt: expand only one
+    lengths = torch.zeros(batch, k, dtype=torch.float64, device=device)
+    finished = torch.zeros(batch, k, dtype=torch.bool, device=device)
+    offsets = torch.arange(batch, device=device)[:, None] * k
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), reusing_stacked_weights():
+            cache = model.new_cache() if use_cache else None
+            for _ in range(max_new_tokens):
+                if cache is not None and out.shape[1] <= context_length:
+                    logits, _ = model(out[:, len(cache[0]):], cache=cache, **last)
+                else:  # no cache, or the sequence outgrew the context (the cache is invalid from now on)
+                    cache = None
+                    logits, _ = model(out[:, -context_length:], **last)
+                logp = torch.log_softmax(logits[:, -1, :].to(torch.float64), dim=-1).view(batch, k, -1)
+                beam, token, scores, lengths, finished = beam_step(
+                    logp, scores, lengths, finished, length_penalty=length_penalty, end_id=end_id, fill_id=end_id)
+                rows = (offsets + beam).flatten()
+                out = torch.cat([out[rows], token.reshape(-1, 1)], dim=1)
+                if cache is not None:
+                    for layer in cache:
+                        if layer.k is not None:
+                            layer.k, layer.v = layer.k[rows], layer.v[rows]
+    finally:
+        model.train(was_training)
+    best = best_beam(scores, lengths, finished, length_penalty)
+    chosen = out.view(batch, k, -1)[torch.arange(batch, device=device), best]
+    if return_scores:
+        return chosen, scores[torch.arange(batch, device=device), best]
+    return chosen

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from groundup.generation import beam_step, best_beam
 from groundup.utils import atomic_write_text
 
 __all__ = ["PAD", "START", "END", "SPECIALS", "date_to_words", "date_examples", "date_splits", "Seq2SeqTokenizer",
@@ -408,30 +409,17 @@ def beam_search(model, src: torch.Tensor, beam_width: int = 4, max_len: int | No
         finished = torch.zeros(batch, k, dtype=torch.bool, device=src.device)
         for _ in range(max_len):
             logp = torch.log_softmax(model.decode(seqs, memory, src_mask)[:, -1].float(), dim=-1)
-            n_v = logp.shape[-1]
             logp[:, [pad_id, start_id]] = float("-inf")  # never generated
-            logp = logp.view(batch, k, n_v)
-            frozen = torch.full((n_v,), float("-inf"), device=src.device)
-            frozen[pad_id] = 0.0  # a finished hypothesis can only be padded, at no cost
-            logp = torch.where(finished[..., None], frozen, logp)
-            cand = scores[..., None] + logp  # (batch, k, n_V)
-            cand_len = lengths[..., None] + (~finished[..., None]).float()
-            rank = cand / cand_len.clamp(min=1) ** length_penalty if length_penalty else cand
-            rank = rank.masked_fill(torch.isneginf(cand), float("-inf"))
-            top = rank.view(batch, -1).topk(k, dim=-1).indices  # (batch, k)
-            beam, token = top // n_v, top % n_v
-            scores = cand.view(batch, -1).gather(1, top)
-            lengths = cand_len.expand(-1, -1, n_v).reshape(batch, -1).gather(1, top)
+            beam, token, scores, lengths, finished = beam_step(  # shared with the GPT's beam search (chapter 8)
+                logp.view(batch, k, -1), scores, lengths, finished, length_penalty=length_penalty, end_id=end_id,
+                fill_id=pad_id)  # a finished hypothesis can only be padded, at no cost
             rows = (torch.arange(batch, device=src.device)[:, None] * k + beam).flatten()
             seqs = torch.cat([seqs[rows], token.flatten()[:, None]], dim=1)
-            finished = finished.gather(1, beam) | (token == end_id)
             if bool(finished.all()):
                 break
     finally:
         model.train(was_training)
-    final = scores / lengths.clamp(min=1) ** length_penalty if length_penalty else scores.clone()
-    final = final.masked_fill(~finished & finished.any(dim=1, keepdim=True), float("-inf"))  # finished first
-    best = final.argmax(dim=1)
+    best = best_beam(scores, lengths, finished, length_penalty)
     rows = seqs.view(batch, k, -1)[torch.arange(batch), best].tolist()
     out = [_strip([t for t in row if t != pad_id], end_id) for row in rows]
     if return_scores:
