@@ -10,28 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_chat_base import tiny_base
 
 from groundup import finetuning
 from groundup.instructions import date_instructions, encode_instructions, exact_match_eval
 from groundup.lora import lora_layers
-from groundup.models import GPT, GPTConfig
-from groundup.tokenizers import BPETokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import ch13_results  # noqa: E402
 
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 STORED_PATH = resources.files("groundup").joinpath("results/chapter13.json")
 RUNS = json.loads(STORED_PATH.read_text())["runs"] if STORED_PATH.is_file() else {}
 TINY = dict(ch13_results.FINETUNE, steps=3, batch_size=2, n_train=8, eval_interval=3, eval_batches=1, warmup=1,
             lr=1e-2, context=256)
 
 
-def tiny_base(seed=0):
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=256 + len(SPECIALS), context_length=256, d_model=16, n_layers=1, n_heads=2))
-    return model.eval(), BPETokenizer(special_tokens=SPECIALS)
 
 
 @pytest.fixture

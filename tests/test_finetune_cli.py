@@ -9,22 +9,13 @@ import signal
 
 import pytest
 import torch
+from tiny_chat_base import tiny_base
 
 import groundup.instructions as instructions
 from groundup import finetuning
 from groundup.cli import main
 from groundup.lora import lora_layers
-from groundup.models import GPT, GPTConfig
-from groundup.tokenizers import BPETokenizer
 from groundup.training import CHECKPOINT_NAME, load_checkpoint
-
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-
-
-def tiny_base(seed=0):
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=256 + len(SPECIALS), context_length=256, d_model=16, n_layers=1, n_heads=2))
-    return model.eval(), BPETokenizer(special_tokens=SPECIALS)
 
 
 @pytest.fixture

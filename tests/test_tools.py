@@ -395,3 +395,28 @@ def test_chapter_figures_are_numbered_per_chapter_after_sphinx():
     config = (ROOT / "book" / "_config.yml").read_text()
     assert re.search(r"^\s+chapter_figures: _ext\b", config, re.MULTILINE)
     assert re.search(r'^\s+numfig_format: \{figure: "Figure %s:"\}', config, re.MULTILINE)
+
+
+import results_file  # noqa: E402
+
+
+def test_results_file_adds_entries_sorted_and_keeps_the_others(tmp_path):
+    path = tmp_path / "results" / "chapter99.json"
+    results_file.add_entry(path, "seed1", {"loss": 2.5}, header={"about": "runs ±"})
+    results_file.add_entry(path, "seed0", {"loss": 2.4})
+    results_file.add_entry(path, "seed1", {"loss": 2.3})  # replaced, not duplicated
+    stored = json.loads(path.read_text(encoding="utf-8"))
+    assert stored == {"about": "runs ±", "runs": {"seed0": {"loss": 2.4}, "seed1": {"loss": 2.3}}}
+    assert list(stored["runs"]) == ["seed0", "seed1"] and "±" in path.read_text(encoding="utf-8")
+    flat = tmp_path / "flat.json"
+    results_file.add_entry(flat, "b", 1, section=None)
+    results_file.add_entry(flat, "a", 2, section=None)
+    assert list(json.loads(flat.read_text())) == ["a", "b"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["chapter99.json", "flat.json", "results"]  # no lock file
+
+
+def test_every_results_tool_stores_through_results_file():
+    for tool in sorted((ROOT / "tools").glob("ch*_results.py")):
+        text = tool.read_text(encoding="utf-8")
+        if "def store(" in text:
+            assert "add_entry(" in text and "fcntl" not in text, f"{tool.name} writes its json by itself"

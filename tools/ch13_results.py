@@ -31,7 +31,6 @@ command again replaces its entry. The adapters are written to a temporary folder
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from results_file import add_entry
 
 from groundup import finetuning
 from groundup.instructions import (
@@ -50,7 +50,6 @@ from groundup.instructions import (
     instruction_batches,
 )
 from groundup.training import train
-from groundup.utils import atomic_write_text
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter13.json"
 ENTRIES = ("base", "lora", "lora-nomask")
@@ -153,12 +152,10 @@ def run_finetune(seed: int, *, mask_prompt: bool = True, n_eval: int = 50, out=N
 
 
 def store(key: str, entry: dict) -> None:
-    results = json.loads(OUT.read_text()) if OUT.exists() else {}
-    results["about"] = ("Runs for chapter 13 (see tools/ch13_results.py): SmolLM2-135M-Instruct on the dates task, "
-                        "base and LoRA fine-tunes; each entry says which command made it.")
-    results.setdefault("runs", {})[key] = entry
-    results["runs"] = dict(sorted(results["runs"].items()))
-    atomic_write_text(OUT, json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    """Add one entry to the JSON file (several commands may run at once: see tools/results_file.py)."""
+    add_entry(OUT, key, entry, header={
+        "about": ("Runs for chapter 13 (see tools/ch13_results.py): SmolLM2-135M-Instruct on the dates task, base "
+                  "and LoRA fine-tunes; each entry says which command made it.")})
 
 
 def main(argv=None) -> None:
