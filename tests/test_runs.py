@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from groundup import cli
+from groundup import cli, run_folder
 from groundup.seq2seq import batches
 from groundup.training import CHECKPOINT_NAME, load_checkpoint
 
@@ -404,10 +404,9 @@ def test_kill_9_of_the_launcher_stops_torchrun_and_its_processes(tmp_path, text_
 
 
 def test_a_second_run_in_a_folder_in_use_is_refused_naming_it(tmp_path, text_file, capsys):
-    from groundup import runs
 
     out = tmp_path / "run"
-    with runs._run_lock(out, False, 0):  # as a run in another process holds it
+    with run_folder.run_lock(out, False, 0):  # as a run in another process holds it
         assert cli.main(["train", "--text", str(text_file), "--out", str(out), "--max-steps", "2", *SMALL]) == 1
         err = capsys.readouterr().err
         assert f"{out} is in use by another groundup train (process {os.getpid()})" in err, err

@@ -32,6 +32,7 @@ import torch
 
 from groundup import flags
 from groundup.lora import DEFAULT_TARGETS, attach_lora, base_fingerprint, count_parameters
+from groundup.run_folder import describe_error, interrupted_message, remove_if_unused, run_lock
 from groundup.training import CHECKPOINT_NAME, TrainConfig, read_checkpoint, train
 
 __all__ = ["add_finetune_parser", "finetune_command", "load_base", "load_adapters", "read_finetune_run",
@@ -163,7 +164,7 @@ def _read_data_file(settings: dict, out: Path | None) -> tuple[list, str]:
         pairs = read_task_file(path)
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
     except (ValueError, OSError) as err:
-        raise ValueError(f"--data: {_describe(err)}") from None
+        raise ValueError(f"--data: {describe_error(err)}") from None
     return pairs, digest
 
 
@@ -305,22 +306,15 @@ def _prepare(args, out: Path):
     return model, tokenizer, settings, train_config, data, test_pairs, announce
 
 
-def _describe(err: Exception) -> str:
-    from groundup.runs import _describe_error
-
-    return _describe_error(err)
-
-
 def finetune_command(args) -> int:
     from groundup.instructions import exact_match_eval, instruction_batches
-    from groundup.runs import _interrupted, _remove_if_unused, _run_lock
 
     out = Path(args.out).expanduser()
     if args.threads:
         torch.set_num_threads(args.threads)
     created = not out.exists()
     try:
-        with _run_lock(out, command="finetune"):
+        with run_lock(out, command="finetune"):
             model, tokenizer, settings, config, (train_data, val_data), test_pairs, announce = _prepare(args, out)
             print(announce, flush=True)
             history = train(model, train_data, val_data, config, extra={"finetune": settings},
@@ -331,12 +325,12 @@ def finetune_command(args) -> int:
                                                   progress=not args.no_progress)
             answering = time.perf_counter() - start
     except KeyboardInterrupt as stop:
-        print(f"\n{_interrupted(stop, out, 'finetune')}", file=sys.stderr)
-        _remove_if_unused(out, created)
+        print(f"\n{interrupted_message(stop, out, 'finetune')}", file=sys.stderr)
+        remove_if_unused(out, created)
         return 130
     except (ValueError, TypeError, OSError) as err:
-        print(f"error: {_describe(err)}", file=sys.stderr)
-        _remove_if_unused(out, created)
+        print(f"error: {describe_error(err)}", file=sys.stderr)
+        remove_if_unused(out, created)
         return 1
     for (prompt, answer), predicted in list(zip(test_pairs, predictions))[:3]:
         shown = prompt.rsplit(": ", 1)[-1] if settings["task"] == "dates" else prompt  # the date in words

@@ -21,7 +21,6 @@ exact-match accuracy at the end; ``groundup sample`` translates a ``--prompt`` w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import math
@@ -47,6 +46,7 @@ from groundup.models import (
     MaskedLM,
     MaskedLMConfig,
 )
+from groundup.run_folder import LOCKED_ENV, describe_error, interrupted_message, remove_if_unused, run_lock
 from groundup.seq2seq import (
     SPECIALS,
     Seq2SeqTokenizer,
@@ -499,21 +499,6 @@ def _prepare(args, out: Path) -> _Run:
     return _new_dates_run(args, out) if args.task == "dates" else _new_text_run(args, out)
 
 
-def _interrupted(stop: KeyboardInterrupt, out: Path, command: str = "train") -> str:
-    """What to say after Ctrl-C: where the run stands and how to continue it (with ``groundup <command>``)."""
-    said = str(stop) or "interrupted"
-    if (out / CHECKPOINT_NAME).is_file():
-        return f"{said}; continue with: groundup {command} --out {out} --resume"
-    return f"{said} before the first checkpoint: nothing to resume"
-
-
-def _remove_if_unused(out: Path, created: bool) -> None:
-    """Remove the run folder this command created if it holds nothing but its lock (a run that never started)."""
-    if created and out.is_dir() and {p.name for p in out.iterdir()} <= {LOCK_NAME}:
-        (out / LOCK_NAME).unlink(missing_ok=True)
-        out.rmdir()
-
-
 def train_command(args) -> int:
     out = Path(args.out).expanduser()
     args.out = str(out)
@@ -529,7 +514,7 @@ def train_command(args) -> int:
     rank = rank_and_world()[0]
     created = not out.exists()
     try:
-        with _run_lock(out, distributed, rank):
+        with run_lock(out, distributed, rank):
             run = _prepare(args, out)
             _check_split(args, run.train_config)
             if not distributed and (args.nproc or 1) > 1:  # --nproc N: this command in N processes (chapter 11)
@@ -542,12 +527,12 @@ def train_command(args) -> int:
             accuracy = None if run.dates is None else _held_out_exact_match(run.model, *run.dates)
     except KeyboardInterrupt as stop:
         if rank == 0:
-            print(f"\n{_interrupted(stop, out)}", file=sys.stderr)
-        _remove_if_unused(out, created)
+            print(f"\n{interrupted_message(stop, out)}", file=sys.stderr)
+        remove_if_unused(out, created)
         return 130
     except (ValueError, TypeError, OSError) as err:
-        print(f"error: {_describe_error(err)}", file=sys.stderr)
-        _remove_if_unused(out, created)
+        print(f"error: {describe_error(err)}", file=sys.stderr)
+        remove_if_unused(out, created)
         return 1
     minutes = (time.perf_counter() - started) / 60
     val = history.val_loss[-1]
@@ -566,61 +551,6 @@ def train_command(args) -> int:
     print(f"done: step {history.step[-1]}, validation loss {where}{val:.4f} nats ({val / math.log(2):.3f} bits per "
           f"character), {history.tokens[-1]:,} training tokens, {minutes:.1f} minutes this session; {then}")
     return 0
-
-
-def _describe_error(err: Exception) -> str:
-    """An error in one line; an OSError names its file (a full disk: which file could not be written)."""
-    if isinstance(err, OSError) and err.strerror:
-        return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
-    return str(err)
-
-
-# ---- the run folder's lock: one run writes a folder at a time -------------------------------------------------
-
-LOCK_NAME = ".lock"
-"""The lock file inside a run folder; ``groundup train`` holds an exclusive ``flock`` on it while it runs."""
-LOCKED_ENV = "GROUNDUP_RUN_LOCKED"
-"""Set by ``groundup train --nproc N`` for its processes: the folder whose lock the launching process holds."""
-
-
-@contextlib.contextmanager
-def _run_lock(out: Path, distributed: bool = False, rank: int = 0, command: str = "train"):
-    """Hold the exclusive lock of run folder ``out`` (creating the folder) for the duration of the block.
-
-    Two runs writing one folder would interleave their checkpoints; the second gets a ``ValueError`` naming the
-    folder. The lock is an advisory ``fcntl.flock`` on ``out/.lock``, released when this process ends however it
-    ends (even by SIGKILL); a stale lock file without a holder locks nothing. Inside ``groundup train --nproc N``
-    the launching process holds it for its processes; under a bare ``torchrun``, process 0 takes it. Where
-    ``fcntl`` does not exist (Windows) nothing is locked.
-    """
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file: give a folder for the run (it is created if need be)")
-    if distributed and (rank != 0 or os.environ.get(LOCKED_ENV) == str(out.absolute())):
-        yield
-        return
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / LOCK_NAME, "a+", encoding="utf-8") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip()
-            raise ValueError(f"{out} is in use by another groundup {command}"
-                             f"{f' (process {holder})' if holder else ''}: "
-                             "wait for it to end, or choose another --out") from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _parallel_options(args) -> dict:
