@@ -20,7 +20,6 @@ The run folder::
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import re
@@ -31,7 +30,8 @@ from pathlib import Path
 import torch
 
 from groundup import flags
-from groundup.lora import DEFAULT_TARGETS, attach_lora, base_fingerprint, count_parameters
+from groundup.data import sha256_bytes
+from groundup.lora import DEFAULT_TARGETS, attach_lora, check_base, count_parameters
 from groundup.run_folder import describe_error, interrupted_message, remove_if_unused, run_lock
 from groundup.training import CHECKPOINT_NAME, TrainConfig, read_checkpoint, train
 
@@ -162,7 +162,7 @@ def _read_data_file(settings: dict, out: Path | None) -> tuple[list, str]:
         path = out / relative  # the run folder and the file moved together
     try:
         pairs = read_task_file(path)
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        digest = sha256_bytes(path.read_bytes())
     except (ValueError, OSError) as err:
         raise ValueError(f"--data: {describe_error(err)}") from None
     return pairs, digest
@@ -214,18 +214,10 @@ def _attach(model, settings: dict):
 
 def _check_base(ckpt: dict, model, flag: str, where: Path) -> None:
     """Refuse adapters trained on another base (their stored fingerprint against ``model``'s), naming ``flag``."""
-    state = ckpt.get("model")
-    layers = state.get("layers") if isinstance(state, dict) else None
-    if not isinstance(layers, dict) or not isinstance(state.get("base_sha256"), str):
-        raise ValueError(f"{flag} {where}: its checkpoint holds no LoRA adapters")
     try:
-        here = base_fingerprint(model, layers)
-    except (ValueError, AttributeError) as err:
-        raise ValueError(f"{flag} {where}: its adapters do not fit this base model ({err})") from None
-    if here != state["base_sha256"]:
-        raise ValueError(f"{flag} {where}: these adapters were trained on another base model (the SHA-256 of the "
-                         f"adapted layers' pretrained weights is {here[:16]}... here, {state['base_sha256'][:16]}... "
-                         f"in the checkpoint): use them with the base they were trained on")
+        check_base(model, ckpt.get("model"))
+    except ValueError as err:
+        raise ValueError(f"{flag} {where}: {err}") from None
 
 
 def read_finetune_run(folder: Path, flag: str) -> tuple[dict, dict]:
@@ -250,9 +242,8 @@ def load_adapters(model, folder, *, flag: str = "--adapter", merge: bool = True)
 
     folder = Path(folder).expanduser()
     ckpt, settings = read_finetune_run(folder, flag)
-    _check_base(ckpt, model, flag, folder)
     try:
-        load_lora(model, ckpt["model"])
+        load_lora(model, ckpt["model"])  # refuses adapters for another base, before anything is attached
     except ValueError as err:
         raise ValueError(f"{flag} {folder}: {err}") from None
     if merge:

@@ -283,6 +283,26 @@ def _check_state(state) -> tuple[int, float, dict]:
     return r, float(alpha), layers
 
 
+def _check_fingerprint(model: nn.Module, state: dict) -> None:
+    """Refuse adapters (a checked state) whose base fingerprint is not that of ``model``'s adapted layers."""
+    fingerprint = base_fingerprint(model, state["layers"])
+    if fingerprint != state["base_sha256"]:
+        raise ValueError("these adapters were trained on another base model: the SHA-256 of the adapted layers' "
+                         f"pretrained weights is {fingerprint[:16]}... here but {state['base_sha256'][:16]}... in "
+                         "the adapters (other weights, or the same weights in another dtype)")
+
+
+def check_base(model: nn.Module, state) -> None:
+    """Refuse, with a ``ValueError``, an adapter state (:func:`lora_state_dict`) not made for ``model``: a state of
+    the wrong structure, layers ``model`` lacks, or another base (the fingerprint of the adapted layers' weights).
+    Nothing is attached or changed; :func:`load_lora` checks the same and more (shapes, r, alpha) as it loads."""
+    _check_state(state)
+    try:
+        _check_fingerprint(model, state)
+    except AttributeError as err:  # a layer name model does not have
+        raise ValueError(f"the adapters do not fit this model ({err})") from None
+
+
 def load_lora(model: nn.Module, state_or_path, *, dropout: float = 0.0) -> dict[str, LoRALinear]:
     """Load adapters (a :func:`lora_state_dict` or a :func:`save_lora` file) onto ``model``; return them by name.
 
@@ -325,11 +345,7 @@ def load_lora(model: nn.Module, state_or_path, *, dropout: float = 0.0) -> dict[
         if (a.r, a.alpha) != (r, alpha):
             raise ValueError(f"layer {name} has an adapter of r = {a.r}, alpha = {a.alpha:g}; the file's has r = "
                              f"{r}, alpha = {alpha:g}")
-    fingerprint = base_fingerprint(model, layers)
-    if fingerprint != state["base_sha256"]:
-        raise ValueError("this adapter was trained on another base model: the SHA-256 of the adapted layers' "
-                         f"pretrained weights is {fingerprint[:16]}... here but {state['base_sha256'][:16]}... in "
-                         "the adapter (other weights, or the same weights in another dtype)")
+    _check_fingerprint(model, state)
     if not present:
         targets = tuple(layers)
         present = attach_lora(model, targets, r=r, alpha=alpha, dropout=dropout)
