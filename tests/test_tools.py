@@ -248,6 +248,9 @@ def test_the_built_book_is_swapped_in_atomically(tmp_path, monkeypatch):
     assert (html / "index.html").read_text() == "new", "the previous book is put back"
 
 
+import threading  # noqa: E402
+import time  # noqa: E402
+
 import nbval_lanes  # noqa: E402
 
 
@@ -270,8 +273,44 @@ def test_nbval_lanes_report_the_first_failing_lane(tmp_path, monkeypatch, capsys
     status = nbval_lanes.main(["--", "--no-such-option"])
     out = capsys.readouterr().out
     assert status != 0
-    assert "lane 1: 07_a.ipynb" in out and "lane 2: 01_b.ipynb" in out and "lane 1: exit" in out
+    assert "lane 1: 07_a.ipynb" in out and "lane 2: 01_b.ipynb" in out and "lane 1: ended" in out
+    assert out.count("----- exit 4 after") == 2, "each lane's pytest reports its usage error"
 
+
+
+def test_nbval_lanes_start_the_models_other_notebooks_only_after_chapter7_and_share_them(tmp_path, monkeypatch,
+                                                                                          capsys):
+    monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
+    for name in ("07_a", "08_b", "09_c", "12_d"):
+        (tmp_path / f"{name}.ipynb").write_text("chapter7_model")
+    for name in ("01_e", "02_f"):
+        (tmp_path / f"{name}.ipynb").write_text("{}")
+    events, lock = [], threading.Lock()
+
+    class Recorder:
+        def __init__(self, command, **kwargs):
+            self.names = tuple(Path(a).name for a in command if a.endswith(".ipynb"))
+            with lock:
+                events.append(("start", self.names))
+
+        def wait(self):
+            time.sleep(0.2 if self.names == ("07_a.ipynb",) else 0.01)  # chapter 7 is the long one
+            with lock:
+                events.append(("end", self.names))
+            return 3 if self.names == ("09_c.ipynb",) else 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(nbval_lanes.subprocess, "Popen", Recorder)
+    assert nbval_lanes.main(["--", "-q"]) == 3, "a failing notebook's status is the run's"
+    starts = [names for kind, names in events if kind == "start"]
+    assert sorted(starts) == sorted([("07_a.ipynb",), ("01_e.ipynb", "02_f.ipynb"), ("08_b.ipynb",),
+                                     ("09_c.ipynb",), ("12_d.ipynb",)]), "each notebook runs once"
+    trained = events.index(("end", ("07_a.ipynb",)))
+    for name in ("08_b.ipynb", "09_c.ipynb", "12_d.ipynb"):
+        assert events.index(("start", (name,))) > trained, f"{name} started before chapter 7 had ended"
+    assert "then whichever lane is free: 08_b.ipynb 09_c.ipynb 12_d.ipynb" in capsys.readouterr().out
 
 
 def test_nbval_lanes_run_with_passive_openmp_threads(tmp_path, monkeypatch, capsys):

@@ -2,12 +2,16 @@
 
     python tools/nbval_lanes.py [--lanes 1|2] -- PYTEST-ARGS...
 
-Lane 1 holds the notebooks that train or load the chapter 7 model (their source mentions ``chapter7_model``):
-chapter 7 trains and caches it, later chapters load the cache, so they must run one after another, in order,
-and they run their long cells on one thread. Lane 2 holds every other notebook. Each lane is one pytest process
-(``python -m pytest PYTEST-ARGS... NOTEBOOKS``); its output goes to a file and is printed in full when the lane
-ends, so the two logs never interleave. The exit status is the first non-zero status of the lanes (0 when both
-pass). ``--lanes 1`` runs all notebooks in a single pytest process with its output streamed as usual.
+Chapter 7 trains the chapter 7 model and caches it; the later notebooks that load it (their source mentions
+``chapter7_model``) must start only after chapter 7 has ended, or each would train the model again. So lane 1
+starts with chapter 7 (the first notebook, in name order, that mentions the model) while lane 2 runs every notebook
+that does not need the model, in one pytest process. When chapter 7 has ended, each lane takes the model's other
+notebooks one at a time from a shared queue (name order) as it becomes free: neither core idles while the other
+works through a list fixed in advance (chapter 7 alone takes longer than all the notebooks without the model).
+Each notebook, or group, is one pytest process (``python -m pytest PYTEST-ARGS... NOTEBOOKS``); a lane's output
+goes to a file and is printed in full when the lane ends, so the two logs never interleave. The exit status is the
+first non-zero status of the lanes' processes (0 when all pass). ``--lanes 1`` runs all notebooks in a single
+pytest process with its output streamed as usual.
 
 Two lanes run with ``OMP_WAIT_POLICY=PASSIVE`` (unless it is set already): PyTorch's OpenMP threads then sleep
 when they run out of work instead of spinning. With two lanes of two-thread kernels on two cores, spinning threads
@@ -40,7 +44,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,9 +66,77 @@ def notebook_env(**extra: str) -> dict[str, str]:
 
 
 def lanes(notebooks: list[Path]) -> tuple[list[Path], list[Path]]:
-    """(the chapter 7 model's notebooks, the others), each in name order."""
+    """(the chapter 7 model's notebooks, the others), each in name order; the first of the former trains it."""
     first = [p for p in notebooks if MARKER in p.read_text(encoding="utf-8")]
     return first, [p for p in notebooks if p not in first]
+
+
+def _run_lanes(command: list[str], model: list[Path], others: list[Path], log_dir: str) -> int:
+    """Lane 1: ``model[0]``; lane 2: ``others``; then both lanes share the queue ``model[1:]``."""
+    env = notebook_env(OMP_WAIT_POLICY="PASSIVE")
+    queue, lock, trained = deque(model[1:]), threading.Lock(), threading.Event()
+    processes, codes, stopped = [], [], []
+
+    def run(group: list[Path], log) -> None:
+        log.write(f"\n----- {' '.join(p.name for p in group)} -----\n")
+        log.flush()
+        start = time.perf_counter()
+        with lock:
+            if stopped:
+                return
+            process = subprocess.Popen([*command, *map(str, group)], cwd=ROOT, env=env, stdout=log,
+                                       stderr=subprocess.STDOUT)
+            processes.append(process)
+        code = process.wait()
+        log.write(f"----- exit {code} after {time.perf_counter() - start:.0f} s -----\n")
+        codes.append(code)
+
+    def lane(own: list[Path], log, trains: bool) -> None:
+        try:
+            try:
+                if own:
+                    run(own, log)
+            finally:
+                if trains:
+                    trained.set()
+            trained.wait()
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    notebook = queue.popleft()
+                run([notebook], log)
+        except BaseException as error:  # the lane's own failure (pytest not started): report it, fail the run
+            codes.append(1)
+            log.write(f"\nthe lane failed: {error!r}\n")
+
+    print(f"lane 1: {model[0].name}", flush=True)
+    print(f"lane 2: {' '.join(p.name for p in others)}", flush=True)
+    if queue:
+        print(f"then whichever lane is free: {' '.join(p.name for p in queue)}", flush=True)
+    logs = [Path(log_dir, f"lane{i}.log").open("w+", encoding="utf-8") for i in (1, 2)]
+    threads = [threading.Thread(target=lane, args=(own, log, i == 0), daemon=True)
+               for i, (own, log) in enumerate(zip(([model[0]], others), logs))]
+    start = time.perf_counter()
+    try:
+        for thread in threads:
+            thread.start()
+        for i, (thread, log) in enumerate(zip(threads, logs), 1):
+            thread.join()
+            log.seek(0)
+            print(f"\n{'=' * 30} lane {i}: ended after {time.perf_counter() - start:.0f} s {'=' * 30}", flush=True)
+            sys.stdout.write(log.read())
+            sys.stdout.flush()
+    finally:
+        with lock:
+            stopped.append(True)
+            queue.clear()
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+        for log in logs:
+            log.close()
+    return next((code for code in codes if code), 0)
 
 
 def main(argv=None) -> int:
@@ -76,33 +150,11 @@ def main(argv=None) -> int:
         print(f"no notebooks in {NOTEBOOKS}", file=sys.stderr)
         return 2
     command = [sys.executable, "-m", "pytest", *pytest_args]
-    groups = [g for g in lanes(notebooks) if g] if args.lanes == 2 else [notebooks]
-    if len(groups) == 1:
-        return subprocess.call([*command, *map(str, groups[0])], cwd=ROOT, env=notebook_env())
-    env = notebook_env(OMP_WAIT_POLICY="PASSIVE")
+    model, others = lanes(notebooks)
+    if args.lanes == 1 or not model or not others:
+        return subprocess.call([*command, *map(str, notebooks)], cwd=ROOT, env=notebook_env())
     with tempfile.TemporaryDirectory(prefix="nbval-lanes-") as tmp:
-        runs = []
-        for i, group in enumerate(groups, 1):
-            log = Path(tmp, f"lane{i}.log").open("w+", encoding="utf-8")
-            print(f"lane {i}: {' '.join(p.name for p in group)}", flush=True)
-            runs.append((i, log, time.perf_counter(), subprocess.Popen([*command, *map(str, group)], cwd=ROOT, env=env,
-                                                                      stdout=log, stderr=subprocess.STDOUT)))
-        status = 0
-        try:
-            for i, log, start, process in runs:
-                code = process.wait()
-                seconds = time.perf_counter() - start
-                log.seek(0)
-                print(f"\n{'=' * 30} lane {i}: exit {code} after {seconds:.0f} s {'=' * 30}", flush=True)
-                sys.stdout.write(log.read())
-                sys.stdout.flush()
-                status = status or code
-        finally:
-            for _, log, _, process in runs:
-                if process.poll() is None:
-                    process.kill()
-                log.close()
-    return status
+        return _run_lanes(command, model, others, tmp)
 
 
 if __name__ == "__main__":
