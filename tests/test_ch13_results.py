@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import ch13_results  # noqa: E402
 
 STORED_PATH = resources.files("groundup").joinpath("results/chapter13.json")
-RUNS = json.loads(STORED_PATH.read_text())["runs"] if STORED_PATH.is_file() else {}
+RUNS = {key: entry for key, entry in (json.loads(STORED_PATH.read_text())["runs"] if STORED_PATH.is_file() else {})
+        .items() if "tools/ch13_results.py" in entry["command"]}  # the classification runs: test_ch13_classification
 TINY = dict(ch13_results.FINETUNE, steps=3, batch_size=2, n_train=8, eval_interval=3, eval_batches=1, warmup=1,
             lr=1e-2, context=256)
 

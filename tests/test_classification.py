@@ -3,13 +3,19 @@
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from groundup.classification import (
+    ATTENTION_PROJECTIONS,
     DEFAULT_PLAYS,
+    METHODS,
     ClassifierHead,
     Passages,
+    accuracy_and_loss,
     char_ngrams,
+    classifier_for,
     encode_passages,
+    fine_tune,
     majority_accuracy,
     ngram_baseline,
     play_passages,
@@ -19,7 +25,7 @@ from groundup.classification import (
     spoken_text,
 )
 from groundup.data import WORK_JOINER, load_corpus, shakespeare_works
-from groundup.lora import attach_lora
+from groundup.lora import attach_lora, lora_layers
 from groundup.models import GPT, GPTConfig, MaskedLM, MaskedLMConfig
 from groundup.tokenizers import CharTokenizer
 
@@ -262,3 +268,120 @@ def test_encode_passages_and_a_lora_fine_tuning_step():
     assert losses[0] == pytest.approx(np.log(3), abs=1e-6)  # zero head: uniform predictions
     assert losses[-1] < 0.5 * losses[0]
     assert predict(head, ids, batch_size=7).shape == (45,) and head.training
+
+
+# ---- fine-tuning: scratch, probe, full, lora --------------------------------------------------------------------
+
+def toy_task(n: int, seed: int, length: int = 8):
+    """Two classes told apart by their tokens: class 0 uses tokens 1-4 only, class 1 tokens 5-8 only."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(n) % 2
+    ids = torch.randint(1, 5, (n, length), generator=g) + 4 * labels[:, None]
+    return ids, labels
+
+
+def tiny_gpt(seed: int = 0, cls=GPT):
+    torch.manual_seed(seed)
+    config = (GPTConfig if cls is GPT else MaskedLMConfig)(vocab_size=10, context_length=8, d_model=16, n_layers=2,
+                                                            n_heads=2)
+    return cls(config).eval()
+
+
+def weights(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_learns_a_trivially_separable_task(method):
+    ids, labels = toy_task(64, seed=0)
+    test_ids, test_labels = toy_task(64, seed=1)
+    head = classifier_for(tiny_gpt(), 2, method, seed=0, lora_rank=2, lora_targets=("W_q", "W_v"))
+    history = fine_tune(head, ids, labels, steps=40, batch_size=16, lr=3e-2 if method == "probe" else 1e-2, seed=0)
+    accuracy, loss = accuracy_and_loss(head, test_ids, test_labels)
+    assert accuracy == 1.0 and history.train_loss[-1] < 0.5 * history.train_loss[0]
+    logits = torch.cat([head(test_ids[i:i + 5]) for i in range(0, 64, 5)]).double()  # independent reference
+    assert loss == pytest.approx(F.cross_entropy(logits, test_labels).item(), rel=1e-6)
+    assert not head.training
+
+
+def test_probe_trains_the_head_alone_and_leaves_the_body_bit_identical():
+    body = tiny_gpt()
+    before = weights(body)
+    head = classifier_for(body, 2, "probe")
+    assert {n for n, p in head.named_parameters() if p.requires_grad} == {"linear.weight", "linear.bias"}
+    fine_tune(head, *toy_task(32, 0), steps=5, batch_size=8, lr=1e-2)
+    assert all(torch.equal(before[k], v) for k, v in body.state_dict().items())
+    assert torch.count_nonzero(head.linear.weight) > 0
+
+
+def test_lora_trains_the_adapters_and_head_alone():
+    body = tiny_gpt()
+    before = weights(body)
+    head = classifier_for(body, 2, "lora", lora_rank=2, lora_targets=ATTENTION_PROJECTIONS)
+    trainable = {n for n, p in head.named_parameters() if p.requires_grad}
+    assert trainable == {"linear.weight", "linear.bias"} | {
+        f"body.blocks.{i}.attention.{w}.{ab}" for i in range(2) for w in ATTENTION_PROJECTIONS for ab in "AB"}
+    fine_tune(head, *toy_task(32, 0), steps=5, batch_size=8, lr=1e-2)
+    after = {k.replace(".base", ""): v for k, v in body.state_dict().items() if not k.endswith((".A", ".B"))}
+    assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.count_nonzero(a.B) > 0 for a in lora_layers(body).values())
+
+
+def test_full_changes_the_body_and_scratch_builds_a_new_seeded_one():
+    body = tiny_gpt()
+    before = weights(body)
+    full = classifier_for(body, 2, "full")
+    assert all(p.requires_grad for p in full.parameters())
+    fine_tune(full, *toy_task(32, 0), steps=3, batch_size=8, lr=1e-2)
+    assert not torch.equal(body.blocks[0].attention.W_q.weight, before["blocks.0.attention.W_q.weight"])
+    given = tiny_gpt(seed=5)
+    kept = weights(given)
+    a, b = classifier_for(given, 2, "scratch", seed=3), classifier_for(given, 2, "scratch", seed=3)
+    assert a.body is not given and all(torch.equal(kept[k], v) for k, v in given.state_dict().items())
+    assert all(torch.equal(x, y) for x, y in zip(a.body.state_dict().values(), b.body.state_dict().values()))
+    assert not torch.equal(a.body.token_embedding.weight, kept["token_embedding.weight"])
+    assert all(p.requires_grad for p in a.parameters())
+
+
+def test_fine_tune_logs_mean_losses_starting_at_ln_n_classes():
+    head = classifier_for(tiny_gpt(), 3, "probe")
+    ids, labels = toy_task(30, 0)
+    labels = torch.arange(30) % 3
+    history = fine_tune(head, ids, labels, steps=7, batch_size=10, lr=1e-2, warmup=2, log_every=1)
+    assert history.step == list(range(1, 8)) and len(history.train_loss) == 7
+    assert history.train_loss[0] == pytest.approx(np.log(3), abs=1e-6)  # a zero head predicts uniformly
+    coarse = fine_tune(classifier_for(tiny_gpt(), 3, "probe"), ids, labels, steps=7, batch_size=10, lr=1e-2,
+                       warmup=2, log_every=3)
+    assert coarse.step == [3, 6, 7]
+    assert coarse.train_loss[0] == pytest.approx(np.mean(history.train_loss[:3]), rel=1e-5)
+    assert coarse.train_loss[2] == pytest.approx(history.train_loss[6], rel=1e-5)
+
+
+def test_a_masked_lm_reads_a_long_passage_in_windows_of_its_context():
+    mlm = tiny_gpt(cls=MaskedLM)
+    head = ClassifierHead(mlm, 2)
+    ids = torch.randint(0, 10, (3, 20))  # context 8: windows of 8, 8 and 4
+    with torch.no_grad():
+        head.linear.weight.normal_()
+        states = torch.cat([mlm.hidden_states(ids[:, :8]), mlm.hidden_states(ids[:, 8:16]),
+                            mlm.hidden_states(ids[:, 16:])], dim=1)
+        torch.testing.assert_close(head(ids), states.mean(dim=1) @ head.linear.weight.T)
+        with pytest.raises(ValueError, match="exceeds context_length 8"):
+            ClassifierHead(tiny_gpt(), 2)(ids)
+
+
+def test_bad_fine_tuning_arguments_are_refused():
+    with pytest.raises(ValueError, match="method must be one of"):
+        classifier_for(tiny_gpt(), 2, "frozen")
+    head = classifier_for(tiny_gpt(), 2, "probe")
+    ids, labels = toy_task(8, 0)
+    with pytest.raises(ValueError, match="steps must be a positive integer, got 0"):
+        fine_tune(head, ids, labels, steps=0)
+    with pytest.raises(ValueError, match=r"batch_size must be at most the number of examples \(8\), got 9"):
+        fine_tune(head, ids, labels, steps=1, batch_size=9)
+    with pytest.raises(ValueError, match="labels"):
+        fine_tune(head, ids, labels[:4], steps=1, batch_size=4)
+    for p in head.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameters that require gradients"):
+        fine_tune(head, ids, labels, steps=1, batch_size=4)

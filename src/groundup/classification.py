@@ -5,6 +5,9 @@
     ngram_baseline(train, test).accuracy                # bag of character 1-3-grams + logistic regression
     head = ClassifierHead(gpt, n_classes=len(train.classes))   # pools the body's final hidden states
     logits = head(ids)                                  # (batch, n_classes)
+    head = classifier_for(body, 4, "lora", seed=0)       # or "scratch", "probe", "full": what trains
+    fine_tune(head, ids, labels, steps=150, lr=2e-3)    # AdamW on the trainable parameters
+    accuracy_and_loss(head, test_ids, test_labels)
 
 The task is built deterministically from :func:`groundup.data.shakespeare_works`. Passages are cut from the
 spoken text only (speaker names and stage directions removed: "HAMLET." above a speech would give the answer
@@ -288,8 +291,11 @@ class ClassifierHead(nn.Module):
 
     ``lengths`` (batch,) gives each sequence's length when right-padded: pooling then ignores the padding. A
     causal body's states at real positions never see the padding; a bidirectional body's do, so it refuses padded
-    batches (give it equal-length passages). The linear layer starts at zero: the head's first predictions are
-    uniform (loss ln n_classes), whatever the body.
+    batches (give it equal-length passages). A bidirectional body reads a sequence longer than its context in
+    consecutive windows of ``context_length`` tokens (the last may be shorter), each encoded on its own, and the
+    states of all windows are pooled together (chapter 9's masked LM has a context of 32 characters; a 64-character
+    passage is two windows). A causal body refuses sequences longer than its context. The linear layer starts at
+    zero: the head's first predictions are uniform (loss ln n_classes), whatever the body.
     """
 
     def __init__(self, body: nn.Module, n_classes: int, *, pooling: str | None = None, dropout: float = 0.0):
@@ -328,7 +334,11 @@ class ClassifierHead(nn.Module):
         if lengths is not None and not self.causal and bool((lengths != idx.shape[1]).any()):
             raise ValueError("a bidirectional body (MaskedLM) attends to padding too, so its states depend on it; "
                              "give it equal-length sequences (lengths all equal to idx.shape[1])")
-        states = self.body.hidden_states(idx)
+        n_c = self.body.config.context_length
+        if self.causal or idx.shape[1] <= n_c:
+            states = self.body.hidden_states(idx)
+        else:
+            states = torch.cat([self.body.hidden_states(window) for window in idx.split(n_c, dim=1)], dim=1)
         return self.linear(self.dropout(self.pool(states, lengths)))
 
 
@@ -344,3 +354,121 @@ def predict(head: ClassifierHead, ids: torch.Tensor, lengths: torch.Tensor | Non
     finally:
         head.train(was_training)
     return torch.cat(out)
+
+
+# ---- fine-tuning the head (and the body, or adapters on it) -----------------------------------------------------
+
+METHODS = ("scratch", "probe", "full", "lora")
+"""How much of a pretrained body a classifier trains: ``scratch`` (the same architecture, randomly initialised, all
+weights), ``probe`` (the pretrained body frozen, the linear head alone), ``full`` (every weight), ``lora``
+(low-rank adapters on the body's attention projections, and the head)."""
+ATTENTION_PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
+
+
+def classifier_for(body: nn.Module, n_classes: int, method: str, *, seed: int = 0, pooling: str | None = None,
+                   lora_rank: int = 8, lora_alpha: float = 16.0,
+                   lora_targets: Sequence[str] = ATTENTION_PROJECTIONS) -> ClassifierHead:
+    """A :class:`ClassifierHead` on ``body`` with exactly the parameters ``method`` trains requiring gradients.
+
+    ``body`` is modified in place for ``probe`` (frozen), ``full`` (unfrozen) and ``lora`` (adapters attached with
+    :func:`groundup.lora.attach_lora`, everything else frozen); pass a copy to keep the original. ``scratch``
+    builds a new body of the same class and config and leaves ``body`` alone. ``torch.manual_seed(seed)`` is
+    called first, so the scratch body's weights and the adapters' ``A`` depend on ``seed`` only. The head's linear
+    layer always trains.
+    """
+    from groundup.lora import attach_lora
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    torch.manual_seed(seed)  # the scratch body's initialisation, the adapters' A
+    if method == "scratch":
+        weight = next(body.parameters())
+        body = type(body)(body.config).to(dtype=weight.dtype, device=weight.device)
+    elif method == "lora":
+        attach_lora(body, lora_targets, r=lora_rank, alpha=lora_alpha)
+    else:
+        for p in body.parameters():
+            p.requires_grad_(method == "full")
+    if method == "scratch":
+        for p in body.parameters():
+            p.requires_grad_(True)
+    return ClassifierHead(body, n_classes, pooling=pooling)
+
+
+@dataclass
+class FineTuneHistory:
+    """What :func:`fine_tune` did: the mean training loss over each stretch of ``log_every`` steps."""
+
+    step: list[int]  # the last step (1-based) of each stretch
+    train_loss: list[float]
+    seconds: float
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def fine_tune(head: ClassifierHead, ids: torch.Tensor, labels: torch.Tensor, *, steps: int, batch_size: int = 32,
+              lr: float = 1e-3, warmup: int = 0, weight_decay: float = 0.0, seed: int = 0,
+              log_every: int | None = None) -> FineTuneHistory:
+    """Train the parameters of ``head`` that require gradients on ``(ids, labels)`` with AdamW and cross-entropy.
+
+    Batches of ``batch_size`` rows are taken in order from random permutations of the data (one permutation an
+    epoch, from a generator seeded with ``seed``); the learning rate warms up linearly over ``warmup`` steps, then
+    decays on a cosine to a tenth (:func:`groundup.training.lr_at`). Frozen parameters are left bit for bit as
+    they were. The head is put in train mode and back in eval mode at the end.
+    """
+    import time
+
+    from groundup.training import TrainConfig, lr_at
+
+    steps, batch_size = _check_positive_int("steps", steps), _check_positive_int("batch_size", batch_size)
+    if ids.dim() != 2 or labels.shape != (len(ids),):
+        raise ValueError(f"ids must be (n, seq) and labels (n,), got {tuple(ids.shape)} and {tuple(labels.shape)}")
+    if not 1 <= batch_size <= len(ids):
+        raise ValueError(f"batch_size must be at most the number of examples ({len(ids)}), got {batch_size}")
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the head has no parameters that require gradients: nothing to train")
+    schedule = TrainConfig(batch_size=batch_size, max_steps=steps, learning_rate=lr, warmup_steps=warmup,
+                           eval_interval=steps, progress=False)
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+    generator = torch.Generator().manual_seed(seed)
+    log_every = log_every or max(1, steps // 30)
+    order, position, losses = torch.randperm(len(ids), generator=generator), 0, []
+    history, start = FineTuneHistory([], [], 0.0), time.perf_counter()
+    head.train()
+    for step in range(steps):
+        if position + batch_size > len(ids):
+            order, position = torch.randperm(len(ids), generator=generator), 0
+        rows = order[position:position + batch_size]
+        position += batch_size
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        loss = F.cross_entropy(head(ids[rows]), labels[rows])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            history.step.append(step + 1)
+            history.train_loss.append(sum(losses) / len(losses))
+            losses = []
+    head.eval()
+    history.seconds = time.perf_counter() - start
+    return history
+
+
+@torch.no_grad()
+def accuracy_and_loss(head: ClassifierHead, ids: torch.Tensor, labels: torch.Tensor, *,
+                      batch_size: int = 256) -> tuple[float, float]:
+    """``(accuracy, mean cross-entropy in nats)`` of ``head`` on ``(ids, labels)``, in eval mode."""
+    was_training = head.training
+    head.eval()
+    try:
+        logits = torch.cat([head(ids[i:i + batch_size]) for i in range(0, len(ids), batch_size)]).double()
+    finally:
+        head.train(was_training)
+    return (logits.argmax(1) == labels).double().mean().item(), F.cross_entropy(logits, labels).item()

@@ -1,0 +1,300 @@
+"""The classification runs behind chapter 13 (which play is a passage from?), stored in results/chapter13.json.
+
+    E="MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"
+    env $E python tools/ch13_classification.py --entry baselines                 # majority and n-gram (10 s)
+    env $E python tools/ch13_classification.py --body gpt --method full --seed 0 # one fine-tune (2-3 minutes)
+    env $E python tools/ch13_classification.py --entry rank --rank 4             # LoRA of rank 4 on the GPT
+    env $E python tools/ch13_classification.py --entry all                       # everything (about 40 minutes)
+
+The arithmetic settings are those chapter 7's stored model was trained under (``chapter7_model()`` trains it afresh
+under any other). The task is :func:`groundup.classification.play_passages` with ``TASK``: 64-character passages
+of four plays, split by scene. Three bodies:
+
+- ``gpt``: chapter 7's GPT (``chapter7_model()``), the last position's final state (the only position of a causal
+  model that has read the whole passage).
+- ``mlm-bert`` / ``mlm-mask``: chapter 9's masked LM pretrained for ``MLM_STEPS`` steps with the 80/10/10 rule or
+  with always-[MASK], built exactly as ``tools/ch09_results.py`` builds them (pretraining seed = the entry's seed;
+  cached under the data cache's ``models/`` folder, never committed; its final validation loss is stored next to
+  chapter09.json's entry for the same run). The mean of the final states over all positions: the model has no
+  [CLS] token that pretraining shaped into a summary, and every position has seen its whole 32-character window
+  (a passage is two windows, each encoded on its own).
+
+Four methods (:func:`groundup.classification.classifier_for`): ``scratch``, ``probe``, ``full``, ``lora`` (rank 8
+adapters on W_q, W_k, W_v, W_o), each trained by :func:`groundup.classification.fine_tune` with ``FINETUNE`` and
+the method's learning rate ``LR``. Every entry stores its command, configuration, test accuracy and loss, the
+training curve, and the body's language-model loss on held-out text before and after (catastrophic forgetting).
+The ``gpt/full/seed0`` run also stores the singular values of its weight update (``lowrank/gpt/full/seed0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from results_file import add_entry
+
+from groundup.classification import (
+    ATTENTION_PROJECTIONS,
+    DEFAULT_PLAYS,
+    METHODS,
+    accuracy_and_loss,
+    classifier_for,
+    encode_passages,
+    fine_tune,
+    majority_accuracy,
+    ngram_baseline,
+    play_passages,
+)
+from groundup.data import load_corpus, train_val_split
+from groundup.lora import count_parameters, merge_lora
+
+OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter13.json"
+ENV = "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"
+ENVIRONMENT = ("OMP_NUM_THREADS", "MKL_CBWR", "ATEN_CPU_CAPABILITY")
+TASK = dict(passage_chars=64, test_fraction=0.25, seed=0)
+FINETUNE = dict(steps=150, batch_size=32, warmup=10, weight_decay=0.0)
+LR = {"scratch": 1e-3, "probe": 1e-2, "full": 3e-4, "lora": 2e-3}
+LORA = dict(r=8, alpha=16.0, targets=list(ATTENTION_PROJECTIONS))
+NGRAM = dict(orders=[1, 2, 3], max_features=2000, l2=1e-3)
+BODIES = ("gpt", "mlm-bert", "mlm-mask")
+MLM_STEPS = 600
+TRAIN_SUBSET = 512  # training accuracy on this many fixed training passages (all of them would cost 40 s a run)
+LM_EVAL = dict(batch_size=16, max_batches=16)  # the GPT's held-out loss: 256 windows of 64 characters
+MLM_EVAL = dict(batch_size=64, max_batches=10)  # the masked LM's: as its training's evaluation
+RANKS = (1, 4, 16)
+ENERGY_RANKS = (1, 2, 4, 8, 16)
+TOP_SINGULAR = 32
+
+
+def sig(x: float, digits: int = 5) -> float:
+    """``x`` rounded to ``digits`` significant digits."""
+    return float(f"{x:.{digits}g}")
+
+
+def command(*args: str) -> str:
+    return f"{ENV} python tools/ch13_classification.py " + " ".join(args)
+
+
+# ---- bodies --------------------------------------------------------------------------------------------------
+
+def gpt_body():
+    """Chapter 7's GPT, its tokenizer, and its held-out loss function (chapter 7's validation text)."""
+    from groundup.training import chapter7_model, evaluate
+
+    model, tokenizer = chapter7_model()
+    val_ids = train_val_split(torch.tensor(tokenizer.encode(load_corpus("shakespeare"))), 0.1)[1]
+    held_out = "next-character loss (nats) on 256 windows of 64 characters of chapter 7's validation text"
+    return model, tokenizer, lambda m: evaluate(m, val_ids, **LM_EVAL), held_out, None
+
+
+def mlm_body(variant: str, seed: int):
+    """Chapter 9's masked LM of ``variant`` ("bert" or "mask") after MLM_STEPS steps, pretraining seed ``seed``."""
+    import ch09_results
+
+    from groundup.data import corpus_cache_dir
+    from groundup.masking import masked_lm_batches
+    from groundup.models import MaskedLM, MaskedLMConfig
+    from groundup.training import evaluate, train
+
+    tokenizer, train_ids, val_ids = ch09_results.data()
+    n_v = tokenizer.vocab_size
+    _, mask_fraction, random_fraction = ch09_results.VARIANTS[variant]
+    batches = masked_lm_batches(n_v, n_v + 1, mask_fraction=mask_fraction, random_fraction=random_fraction)
+    torch.manual_seed(seed)
+    model = MaskedLM(MaskedLMConfig(vocab_size=n_v + 1, **ch09_results.MLM_SHAPE))
+    path = corpus_cache_dir() / "models" / f"ch13_mlm_{variant}_steps{MLM_STEPS}_seed{seed}.pt"
+    if path.is_file():
+        cached = torch.load(path, weights_only=True)
+        model.load_state_dict(cached["model"])
+        val_loss = cached["val_loss"]
+    else:
+        history = train(model, train_ids, val_ids, ch09_results.mlm_training(MLM_STEPS, seed), batches=batches)
+        val_loss = history.val_loss[-1]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": model.state_dict(), "val_loss": val_loss}, path)
+    model.eval()
+    stored = json.loads(ch09_results.OUT.read_text())["runs"].get(f"mlm/{variant}/steps{MLM_STEPS}/seed{seed}", {})
+    pretrain = {"variant": ch09_results.VARIANTS[variant][0], "steps": MLM_STEPS, "seed": seed,
+                "val_loss": sig(val_loss), "ch09_stored_val_loss": stored.get("val_loss")}
+    held_out = (f"masked-LM loss (nats) of its own masking ({pretrain['variant']}) on 10 batches of 64 windows of "
+                "32 characters of chapter 9's validation text, as its pretraining evaluated it")
+    return model, tokenizer, lambda m: evaluate(m, val_ids, batches=batches, **MLM_EVAL), held_out, pretrain
+
+
+def load_body(body: str, seed: int):
+    if body == "gpt":
+        return gpt_body()
+    return mlm_body(body.removeprefix("mlm-"), seed)
+
+
+# ---- one fine-tune -------------------------------------------------------------------------------------------
+
+def task():
+    train, test = play_passages(DEFAULT_PLAYS, **TASK)
+    return train, test
+
+
+def lowrank_spectra(before: dict, after: dict) -> dict:
+    """Singular values of ``after[name] - before[name]`` for the attention and feed-forward weight matrices."""
+    matrices = {}
+    for name, w0 in before.items():
+        if w0.dim() != 2 or name.rsplit(".", 2)[-2] not in ("W_q", "W_k", "W_v", "W_o", "W_in", "W_out", "W_gate"):
+            continue
+        dw = (after[name].double() - w0.double())
+        s = torch.linalg.svdvals(dw)
+        energy = (s ** 2).cumsum(0) / (s ** 2).sum()
+        matrices[name.removesuffix(".weight")] = {
+            "shape": list(dw.shape), "dW_fro": sig(dw.norm().item()), "W_fro": sig(w0.double().norm().item()),
+            "singular_values": [sig(v) for v in (s[:TOP_SINGULAR] / s[0]).tolist()],
+            "energy_top_r": {str(r): sig(energy[r - 1].item()) for r in ENERGY_RANKS}}
+    kinds = {"attention": ("W_q", "W_k", "W_v", "W_o"), "ffn": ("W_in", "W_out", "W_gate")}
+    mean = {kind: {str(r): sig(statistics.fmean(m["energy_top_r"][str(r)] for n, m in matrices.items()
+                                                 if n.rsplit(".", 1)[-1] in names))
+                   for r in ENERGY_RANKS}
+            for kind, names in kinds.items() if any(n.rsplit(".", 1)[-1] in names for n in matrices)}
+    reference = {}
+    g = torch.Generator().manual_seed(0)
+    for shape in sorted({tuple(m["shape"]) for m in matrices.values()}):
+        s = torch.linalg.svdvals(torch.randn(*shape, generator=g, dtype=torch.float64))
+        energy = (s ** 2).cumsum(0) / (s ** 2).sum()
+        reference[f"{shape[0]}x{shape[1]}"] = {str(r): sig(energy[r - 1].item()) for r in ENERGY_RANKS}
+    return {"matrices": matrices, "mean_energy_top_r": mean, "random_reference_energy_top_r": reference}
+
+
+def run_classifier(body_name: str, method: str, seed: int, *, rank: int = LORA["r"]) -> tuple[dict, dict | None]:
+    """One fine-tune: its entry, and (for gpt/full) the low-rank analysis of its update."""
+    start = time.perf_counter()
+    body, tokenizer, lm_loss, held_out, pretrain = load_body(body_name, seed)
+    train, test = task()
+    ids, _, labels = encode_passages(train, tokenizer)
+    test_ids, _, test_labels = encode_passages(test, tokenizer)
+    before = None if method == "scratch" else lm_loss(body)
+    weights = {k: v.clone() for k, v in body.state_dict().items()}
+    head = classifier_for(body, len(train.classes), method, seed=seed, lora_rank=rank, lora_alpha=LORA["alpha"],
+                          lora_targets=LORA["targets"])
+    config = {**FINETUNE, "lr": LR[method], "optimizer": "AdamW", "passage_chars": TASK["passage_chars"],
+              "n_train": len(train), "n_test": len(test), "pooling": head.pooling,
+              "lora": {**LORA, "r": rank} if method == "lora" else None,
+              "body_source": "chapter7_model()" if body_name == "gpt" else
+              f"tools/ch09_results.py's MaskedLM, {pretrain['variant']}, {MLM_STEPS} steps, seed {seed}"}
+    history = fine_tune(head, ids, labels, steps=FINETUNE["steps"], batch_size=FINETUNE["batch_size"],
+                        lr=LR[method], warmup=FINETUNE["warmup"], weight_decay=FINETUNE["weight_decay"], seed=seed)
+    accuracy, loss = accuracy_and_loss(head, test_ids, test_labels)
+    subset = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))[:TRAIN_SUBSET]
+    train_accuracy, _ = accuracy_and_loss(head, ids[subset], labels[subset])
+    lm = None
+    if method != "scratch":
+        lm = {"held_out": held_out, "before": sig(before), "after": sig(lm_loss(head.body))}
+        if method == "lora":
+            merge_lora(head.body)
+            lm["after_merged"] = sig(lm_loss(head.body))
+    entry = {"body": body_name, "method": method, "seed": seed, "config": config, "pretrain": pretrain,
+             "trainable_params": count_parameters(head, trainable_only=True), "total_params": count_parameters(head),
+             "test_accuracy": sig(accuracy), "test_loss": sig(loss),
+             "train_accuracy": sig(train_accuracy), "train_accuracy_passages": TRAIN_SUBSET,
+             "curve": {"step": history.step, "train_loss": [sig(v) for v in history.train_loss]},
+             "lm_loss": lm, "train_seconds": round(history.seconds, 1)}
+    low = None
+    if body_name == "gpt" and method == "full":
+        low = lowrank_spectra(weights, head.body.state_dict())
+    entry["wall_seconds"] = round(time.perf_counter() - start, 1)
+    return entry, low
+
+
+def run_baselines() -> dict:
+    train, test = task()
+    ngram = ngram_baseline(train, test, **{k: tuple(v) if isinstance(v, list) else v for k, v in NGRAM.items()})
+    return {"task": {"plays": list(DEFAULT_PLAYS), "passage_chars": TASK["passage_chars"],
+                     "test_fraction": TASK["test_fraction"], "split_seed": TASK["seed"], "n_train": len(train),
+                     "n_test": len(test), "train_counts": train.counts(), "test_counts": test.counts()},
+            "majority_accuracy": sig(majority_accuracy(train, test)), "ngram_accuracy": sig(ngram.accuracy),
+            "ngram": NGRAM}
+
+
+# ---- storing ---------------------------------------------------------------------------------------------------
+
+def store(key: str, entry: dict) -> None:
+    add_entry(OUT, key, entry, header={
+        "about": ("Runs for chapter 13: SmolLM2-135M-Instruct on the dates task (tools/ch13_results.py) and the "
+                  "which-play classification (tools/ch13_classification.py); each entry says which command made it.")})
+
+
+def summary(runs: dict) -> dict:
+    """Mean and sample standard deviation over the seeds of every (body, method) with classification entries."""
+    groups: dict[str, list[dict]] = {}
+    for key, entry in sorted(runs.items()):
+        parts = key.split("/")
+        if parts[0] == "classification" and len(parts) == 4:
+            groups.setdefault(f"{parts[1]}/{parts[2]}", []).append(entry)
+    out = {}
+    for name, entries in groups.items():
+        accs = [e["test_accuracy"] for e in entries]
+        after = [e["lm_loss"]["after"] for e in entries if e["lm_loss"]]
+        out[name] = {"seeds": [e["seed"] for e in entries], "test_accuracy": accs, "mean": sig(statistics.fmean(accs)),
+                     "std": sig(statistics.stdev(accs)) if len(accs) > 1 else None,
+                     "lm_loss_before": [e["lm_loss"]["before"] for e in entries] if after else None,
+                     "lm_loss_after_mean": sig(statistics.fmean(after)) if after else None}
+    base = runs.get("classification/baselines", {})
+    out["majority_accuracy"], out["ngram_accuracy"] = base.get("majority_accuracy"), base.get("ngram_accuracy")
+    return out
+
+
+def store_summary() -> None:
+    runs = json.loads(OUT.read_text())["runs"]
+    store("classification/summary", {"command": command("--entry summary"), **summary(runs)})
+
+
+def environment() -> dict:
+    return {"threads": torch.get_num_threads(), "environment": {k: os.environ.get(k) for k in ENVIRONMENT}}
+
+
+def classify(body: str, method: str, seed: int) -> None:
+    entry, low = run_classifier(body, method, seed)
+    key = f"classification/{body}/{method}/seed{seed}"
+    cmd = command(f"--body {body} --method {method} --seed {seed}")
+    store(key, {"command": cmd, **entry, **environment()})
+    if low is not None:
+        store(f"lowrank/{body}/{method}/seed{seed}", {"command": cmd, "source": key, **low})
+    store_summary()
+    print(key, entry["test_accuracy"], entry["lm_loss"], entry["wall_seconds"], "s", flush=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--entry", choices=("classify", "baselines", "rank", "summary", "all"), default="classify")
+    p.add_argument("--body", choices=BODIES, default="gpt")
+    p.add_argument("--method", choices=METHODS, action="append")
+    p.add_argument("--seed", type=int, action="append", help="seeds (default 0 1 2; rank: 0)")
+    p.add_argument("--rank", type=int, action="append", help=f"LoRA ranks for --entry rank (default {RANKS})")
+    a = p.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if a.entry in ("baselines", "all"):
+        store("classification/baselines", {"command": command("--entry baselines"), **run_baselines()})
+    if a.entry == "classify":
+        for method in a.method or METHODS:
+            for seed in a.seed or [0, 1, 2]:
+                classify(a.body, method, seed)
+    if a.entry == "all":
+        for body, methods in (("gpt", METHODS), ("mlm-bert", METHODS), ("mlm-mask", ("probe", "full"))):
+            for method in methods:
+                for seed in (0, 1, 2):
+                    classify(body, method, seed)
+    if a.entry in ("rank", "all"):
+        for r in a.rank or RANKS:
+            for seed in a.seed or [0]:
+                entry, _ = run_classifier("gpt", "lora", seed, rank=r)
+                store(f"lora_rank/gpt/r{r}/seed{seed}",
+                      {"command": command(f"--entry rank --rank {r} --seed {seed}"), **entry, **environment()})
+                print(f"lora_rank r{r}", entry["test_accuracy"], entry["wall_seconds"], "s", flush=True)
+    if a.entry == "summary":
+        store_summary()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
