@@ -1,0 +1,266 @@
+"""Each chapter-13 checker accepts the reference solution, rejects plausible wrong answers with the right hint,
+treats the unattempted stub kindly, refuses the package's own solution and reports answers that modify their
+inputs. The checkers' own expected values are checked against independent references: groundup.lora's layer and
+peft's, attach_lora on a real model, and groundup.instructions' encoder."""
+
+import copy
+
+import pytest
+import torch
+from tiny_chat_base import tiny_base
+from torch import nn
+
+from groundup.exercises.ch13 import (
+    LORA_TARGETS,
+    check_answer_labels,
+    check_lora_forward,
+    check_lora_parameter_count,
+    check_merge,
+    lora_shapes,
+)
+from groundup.instructions import encode_instructions, instruction_messages
+from groundup.lora import LoRALinear, attach_lora, count_parameters, lora_parameter_count
+from groundup.models import GPT, GPTConfig
+from groundup.pretrained import encode_chat
+
+# --- reference solutions (the notebook's hidden solutions) ----------------------------------------------------
+
+
+def forward_solution(x, W, b, A, B, alpha):
+    r = A.shape[0]
+    return x @ W.T + b + (alpha / r) * (x @ A.T) @ B.T
+
+
+def merge_solution(W, A, B, alpha):
+    return W + (alpha / A.shape[0]) * B @ A
+
+
+def count_solution(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
+    d_kv = d_model // n_heads * n_kv_heads
+    shapes = {"W_q": (d_model, d_model), "W_k": (d_kv, d_model), "W_v": (d_kv, d_model),
+              "W_o": (d_model, d_model), "W_gate": (d_ff, d_model), "W_in": (d_ff, d_model),
+              "W_out": (d_model, d_ff)}
+    return n_layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets)
+
+
+def labels_solution(ids, prompt_length):
+    labels = torch.full_like(ids, -100)
+    labels[prompt_length - 1:-1] = ids[prompt_length:]
+    return labels
+
+
+def stub(*args):
+    raise NotImplementedError
+
+
+def verdict(checker, fn, capsys):
+    ok = checker(fn)
+    return bool(ok), capsys.readouterr().out
+
+
+CHECKERS = [(check_lora_forward, forward_solution), (check_merge, merge_solution),
+            (check_lora_parameter_count, count_solution), (check_answer_labels, labels_solution)]
+
+
+@pytest.mark.parametrize("checker, solution", CHECKERS)
+def test_reference_passes_and_stub_is_not_attempted(checker, solution, capsys):
+    ok, out = verdict(checker, solution, capsys)
+    assert ok and "✅" in out, out
+    ok, out = verdict(checker, stub, capsys)
+    assert not ok and "not attempted yet" in out, out
+
+
+def test_a_float32_answer_passes(capsys):
+    def in_float32(x, W, b, A, B, alpha):
+        return forward_solution(*(t.float() for t in (x, W, b, A, B)), alpha)
+
+    ok, out = verdict(check_lora_forward, in_float32, capsys)
+    assert ok, out
+
+
+# --- the checkers' formulas against independent references ------------------------------------------------------
+
+
+def test_the_forward_formula_is_groundups_and_peft_layer():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = nn.Linear(10, 6, dtype=torch.float64)
+    ours = LoRALinear(copy.deepcopy(base), r=3, alpha=6.0)
+    with torch.no_grad():
+        ours.B.normal_()
+    config = peft.LoraConfig(r=3, lora_alpha=6, lora_dropout=0.0)
+    theirs = peft.tuners.lora.Linear(copy.deepcopy(base), "default", config, r=3, lora_alpha=6)
+    with torch.no_grad():
+        theirs.lora_A["default"].weight.copy_(ours.A)
+        theirs.lora_B["default"].weight.copy_(ours.B)
+    x = torch.randn(4, 10, dtype=torch.float64)
+    with torch.no_grad():
+        expected = forward_solution(x, base.weight, base.bias, ours.A, ours.B, 6.0)
+        torch.testing.assert_close(ours(x), expected, rtol=0, atol=1e-12)
+        torch.testing.assert_close(theirs(x), expected, rtol=0, atol=1e-12)
+        ours.merge()
+        torch.testing.assert_close(ours.base.weight, merge_solution(base.weight, ours.A, ours.B, 6.0),
+                                   rtol=0, atol=1e-13)
+
+
+def test_the_count_formula_is_what_attach_lora_trains():
+    config = GPTConfig(vocab_size=32, context_length=8, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24,
+                       norm="rmsnorm", activation="swiglu", positional="rope", bias=False)
+    for targets in (("W_q", "W_v"), LORA_TARGETS, ("W_k", "W_out")):
+        model = GPT(config)
+        attach_lora(model, targets, r=2)
+        shapes = lora_shapes(16, 4, 2, 24)
+        assert count_parameters(model, trainable_only=True) == count_solution(2, 16, 4, 2, 24, 2, targets) == \
+            lora_parameter_count([shapes[t] for t in targets] * 2, 2)
+
+
+def test_smollm2_count_is_the_stored_runs():
+    assert count_solution(30, 576, 9, 3, 1536, 8, ("W_q", "W_v")) == 460_800
+
+
+def test_the_labels_are_groundup_instructions():
+    _, tokenizer = tiny_base()
+
+    pairs = [("what is 2 + 2?", "4"), ("Write this date: may third", "2001-05-03")]
+    data = encode_instructions(tokenizer, pairs, context_length=512)
+    for (prompt, _), ids, labels in zip(pairs, data.ids, data.labels):
+        p = len(encode_chat(tokenizer, instruction_messages(prompt)))
+        assert torch.equal(labels_solution(ids, p), labels)
+
+
+# --- wrong answers get the hint that names the mistake ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda x, W, b, A, B, alpha: x @ W.T + b + (x @ A.T) @ B.T, "left the scale out"),
+    (lambda x, W, b, A, B, alpha: x @ W.T + b + alpha * (x @ A.T) @ B.T, "not alpha."),
+    (lambda x, W, b, A, B, alpha: x @ W.T + (alpha / A.shape[0]) * (x @ A.T) @ B.T, "bias"),
+    (lambda x, W, b, A, B, alpha: (alpha / A.shape[0]) * (x @ A.T) @ B.T, "not used instead"),
+])
+def test_forward_mistakes_are_named(wrong, words, capsys):
+    ok, out = verdict(check_lora_forward, wrong, capsys)
+    assert not ok and words in out, out
+
+
+def test_forward_calling_the_package_is_refused(capsys):
+    def package(x, W, b, A, B, alpha):
+        base = nn.Linear(W.shape[1], W.shape[0], dtype=W.dtype)
+        layer = LoRALinear(base, A.shape[0], alpha)
+        with torch.no_grad():
+            base.weight.copy_(W)
+            base.bias.copy_(b)
+            layer.A.copy_(A)
+            layer.B.copy_(B)
+            return layer(x)
+
+    ok, out = verdict(check_lora_forward, package, capsys)
+    assert not ok and "groundup.lora" in out, out
+
+
+def test_forward_calling_peft_is_refused(capsys):
+    peft = pytest.importorskip("peft")
+
+    def with_peft(x, W, b, A, B, alpha):
+        base = nn.Linear(W.shape[1], W.shape[0], dtype=W.dtype)
+        config = peft.LoraConfig(r=A.shape[0], lora_alpha=alpha)
+        layer = peft.tuners.lora.Linear(base, "default", config, r=A.shape[0], lora_alpha=alpha)
+        with torch.no_grad():
+            base.weight.copy_(W)
+            base.bias.copy_(b)
+            layer.lora_A["default"].weight.copy_(A)
+            layer.lora_B["default"].weight.copy_(B)
+            return layer(x)
+
+    ok, out = verdict(check_lora_forward, with_peft, capsys)
+    assert not ok and "peft" in out, out
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda W, A, B, alpha: W + B @ A, "left the scale out"),
+    (lambda W, A, B, alpha: (alpha / A.shape[0]) * B @ A, "not the update alone"),
+    (lambda W, A, B, alpha: W - (alpha / A.shape[0]) * B @ A, "merging adds"),
+    (lambda W, A, B, alpha: (W + (alpha / A.shape[0]) * B @ A).T, "transpose"),
+])
+def test_merge_mistakes_are_named(wrong, words, capsys):
+    ok, out = verdict(check_merge, wrong, capsys)
+    assert not ok and words in out, out
+
+
+def test_merge_in_place_is_reported(capsys):
+    def in_place(W, A, B, alpha):
+        W += (alpha / A.shape[0]) * B @ A
+        return W
+
+    ok, out = verdict(check_merge, in_place, capsys)
+    assert not ok and "in place" in out, out
+
+
+def test_merge_through_the_package_is_refused(capsys):
+    def package(W, A, B, alpha):
+        base = nn.Linear(W.shape[1], W.shape[0], dtype=W.dtype)
+        layer = LoRALinear(base, A.shape[0], alpha)
+        with torch.no_grad():
+            base.weight.copy_(W)
+            layer.A.copy_(A)
+            layer.B.copy_(B)
+        layer.merge()
+        return base.weight.detach().clone()
+
+    ok, out = verdict(check_merge, package, capsys)
+    assert not ok and "groundup.lora" in out, out
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda n, d, h, kv, ff, r, t: n * sum(a * b for a, b in (lora_shapes(d, h, kv, ff)[x] for x in t)),
+     "number of weights"),
+    (lambda n, d, h, kv, ff, r, t: count_solution(1, d, h, kv, ff, r, t), "n_layers blocks"),
+    (lambda n, d, h, kv, ff, r, t: count_solution(n, d, h, h, ff, r, t), "grouped-query"),
+    (lambda n, d, h, kv, ff, r, t: float(count_solution(n, d, h, kv, ff, r, t)), "int"),
+])
+def test_count_mistakes_are_named(wrong, words, capsys):
+    ok, out = verdict(check_lora_parameter_count, wrong, capsys)
+    assert not ok and words in out, out
+
+
+def test_count_with_the_package_is_refused(capsys):
+    def package(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
+        shapes = lora_shapes(d_model, n_heads, n_kv_heads, d_ff)
+        return lora_parameter_count([shapes[t] for t in targets] * n_layers, r)
+
+    ok, out = verdict(check_lora_parameter_count, package, capsys)
+    assert not ok and "lora_parameter_count" in out, out
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda ids, p: torch.where(torch.arange(len(ids)) >= p, ids, -100), "shifted left"),
+    (lambda ids, p: torch.where(torch.arange(len(ids)) >= p, labels_solution(ids, p), -100), "first token"),
+    (lambda ids, p: torch.cat([labels_solution(ids, p)[:-1], ids[-1:]]), "no next token"),
+    (lambda ids, p: torch.cat([ids[1:], torch.tensor([-100])]), "prompt is trained"),
+    (lambda ids, p: labels_solution(ids, p).float(), "int64"),
+])
+def test_label_mistakes_are_named(wrong, words, capsys):
+    ok, out = verdict(check_answer_labels, wrong, capsys)
+    assert not ok and words in out, out
+
+
+def test_labels_in_place_are_reported(capsys):
+    def in_place(ids, prompt_length):
+        ids[:prompt_length] = 0
+        return labels_solution(ids.clone(), prompt_length)
+
+    ok, out = verdict(check_answer_labels, in_place, capsys)
+    assert not ok and "in place" in out, out
+
+
+def test_labels_through_the_package_are_refused(capsys):
+    from groundup import instructions
+
+    def package(ids, prompt_length):
+        try:
+            instructions.encode_instructions(None, [("a", "b")], context_length=8)
+        except TypeError:
+            pass
+        return labels_solution(ids, prompt_length)
+
+    ok, out = verdict(check_answer_labels, package, capsys)
+    assert not ok and "encode_instructions" in out, out
