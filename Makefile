@@ -60,8 +60,11 @@ book: setup
 lint: setup
 	$(PY) -m ruff check .
 
+# The unit tests in two processes (pytest-xdist), one per core of a small machine; UNIT_WORKERS=0: one process.
+UNIT_WORKERS ?= 2
+
 unit: setup
-	$(PY) -m pytest tests --ignore=tests/book -q
+	$(PY) -m pytest tests --ignore=tests/book -q -n $(UNIT_WORKERS)
 
 # Two lanes of notebooks at a time, one per core (see tools/nbval_lanes.py); NBVAL_LANES=1: one after another.
 NBVAL_LANES ?= 2
