@@ -65,8 +65,54 @@ def test_no_myst_syntax_leaks_as_text(chapter1):
 
 
 def test_solutions_are_hidden_until_clicked(chapter1):
-    hidden = re.findall(r'<details class="[^"]*hide[^"]*"(?![^>]*\bopen\b)', chapter1)
-    assert len(hidden) >= 5, "the exercise solutions must be collapsed when the page opens"
+    boxes = re.findall(r'<div class="exercise admonition" id="exercise-1-\d+"', chapter1)
+    hidden = re.findall(r'<details class="solution admonition" id="solution-1-\d+"(?![^>]*\bopen\b)', chapter1)
+    assert len(boxes) >= 5, "chapter 1's exercises are numbered boxes"
+    assert len(hidden) >= len(boxes), "the exercise solutions must be collapsed when the page opens"
+
+
+# Loads chapter 1 in a same-origin iframe, clicks a solution's title as a reader would, and writes what it saw.
+PROBE = """<!doctype html><html><body><pre id="result">no result</pre>
+<iframe id="page" src="/notebooks/01_language_models.html" style="width:1300px;height:900px"></iframe>
+<script>
+document.getElementById("page").addEventListener("load", () => {
+  const doc = document.getElementById("page").contentDocument;
+  const box = doc.querySelector("div.exercise");
+  const dropdown = doc.querySelector("details.solution");
+  const summary = dropdown.querySelector("summary");
+  const code = dropdown.querySelector("div.cell_input pre");
+  const shown = (el) => el.checkVisibility ? el.checkVisibility() : el.getClientRects().length > 0;
+  const seen = {title: box.querySelector(".admonition-title").textContent.trim(),
+                summary: summary.textContent.replace(/\\s+/g, " ").trim(),
+                openBefore: dropdown.open, codeShownBefore: shown(code),
+                summaryShown: shown(summary), theirButton: !!dropdown.querySelector(".toggle-button")};
+  const back = summary.querySelector("a");
+  seen.linksTo = doc.getElementById(back.getAttribute("href").slice(1)) === box;
+  summary.click();
+  seen.openAfter = dropdown.open;
+  seen.codeShownAfter = shown(code);
+  summary.click();
+  seen.closedAgain = !dropdown.open;
+  document.getElementById("result").textContent = JSON.stringify(seen);
+});
+</script></body></html>"""
+
+
+def test_a_solution_dropdown_opens_on_click_and_links_to_its_exercise(server, extra_pages):
+    import json
+
+    extra_pages["/probe-solution.html"] = PROBE
+    dom = rendered_dom(f"{server}/probe-solution.html")
+    result = re.search(r'<pre id="result">([^<]*)</pre>', dom)
+    assert result and result.group(1) != "no result", "the probe page did not run"
+    seen = json.loads(html_lib.unescape(result.group(1)))
+    assert seen["title"].startswith("Exercise 1.1: ")
+    assert seen["summary"] == "Solution to Exercise 1.1" and seen["linksTo"], seen
+    assert not seen["openBefore"] and not seen["codeShownBefore"] and seen["summaryShown"], \
+        f"the solution must be closed, its title shown, when the page opens: {seen}"
+    assert not seen["theirButton"], "sphinx-togglebutton must not add a second toggle"
+    assert seen["openAfter"] and seen["codeShownAfter"], f"a click on the title must show the solution: {seen}"
+    assert seen["closedAgain"], "a second click closes it"
 
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))

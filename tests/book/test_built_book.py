@@ -10,14 +10,13 @@ REMOTE = re.compile(r"""<(script|img|link|iframe)\b[^>]*\b(src|href)=["'](https?
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
-def test_chapter_page_has_badge_download_and_hidden_solutions(html_root, nb):
+def test_chapter_page_has_badge_and_download(html_root, nb):
     page = html_root / "notebooks" / f"{nb.stem}.html"
     assert page.exists(), f"{nb.name} has no page in the built book"
     html = page.read_text(encoding="utf-8")
     assert re.search(rf'href="https://colab\.research\.google\.com/github/[^"]+/{nb.name}"', html), "no Colab link"
     assert re.search(rf'href="[^"]+/raw/main/notebooks/{nb.name}"', html), "no download link"
     assert "_sources/notebooks/" + nb.name in html, "the theme's download button for the .ipynb is missing"
-    assert html.count("tag_hide-cell") >= 4, "the exercise solutions must be hidden behind a toggle"
     assert "# Setup: on Colab" not in html, "the Colab-only setup cell must not show in the book"
 
 
@@ -70,3 +69,67 @@ def test_figures_are_numbered_per_chapter_with_caption_and_alt_text(html_root, n
         assert fig_id == meta["figure"]["name"]
         assert html_lib.unescape(alt) == meta["image"]["alt"]
     assert f"*Figure {number}.1:" not in page and f"<em>Figure {number}.1:" not in page
+
+
+EXERCISE = re.compile(r"^###? (Exercise (\d+)\.(\d+)\b.*)$", re.MULTILINE)
+
+
+def notebook_exercises(nb):
+    """The exercise headings (matches of EXERCISE) of a notebook's markdown cells, and its solution cells' sources."""
+    import json
+
+    cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+    sources = [(c["cell_type"], "".join(c["source"])) for c in cells]
+    headings = [m for kind, text in sources if kind == "markdown" for m in EXERCISE.finditer(text)]
+    solutions = [text for kind, text in sources if kind == "code" and text.startswith("# Solution")]
+    return headings, solutions
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_exercises_are_numbered_boxes_and_solutions_closed_dropdowns_linked_to_them(html_root, nb):
+    """book/_ext/exercise_boxes.py: one sphinx-exercise box per "### Exercise N.M" heading of the notebook, titled
+    "Exercise N.M: title" with the notebook's own number; every solution cell inside a closed <details> "Solution to
+    Exercise N.M" that follows its box and links to it (and the box links to it); none left behind MyST-NB's
+    "Show code cell content" toggle."""
+    from bs4 import BeautifulSoup
+
+    headings, solutions = notebook_exercises(nb)
+    page = BeautifulSoup((html_root / "notebooks" / f"{nb.stem}.html").read_text(encoding="utf-8"), "html.parser")
+    article = page.select_one("article")
+    boxes = article.select("div.exercise.admonition")
+    assert len(boxes) == len(headings) >= 4, f"{len(boxes)} exercise boxes for {len(headings)} exercise headings"
+    for box, heading in zip(boxes, headings):
+        chapter, k = heading.group(2), heading.group(3)
+        assert chapter == str(int(nb.name[:2])), f"{heading.group(1)!r} is in chapter {nb.name[:2]}"
+        assert box["id"] == f"exercise-{chapter}-{k}"
+        title = box.find("p", class_="admonition-title", recursive=False)
+        assert title is not None and title.get_text().startswith(f"Exercise {chapter}.{k}: "), title
+
+    dropdowns = article.select("details.solution")
+    owners = []
+    for dropdown in dropdowns:
+        assert not dropdown.has_attr("open"), f"{dropdown['id']} must be closed when the page opens"
+        summary = dropdown.find("summary", recursive=False)
+        link = summary.find("a") if summary else None
+        box = article.find(id=link["href"].removeprefix("#")) if link else None
+        assert box in boxes, f"{dropdown['id']}: its title links to no exercise box"
+        number = box["id"].removeprefix("exercise-").replace("-", ".")
+        assert " ".join(summary.get_text().split()) == f"Solution to Exercise {number}"
+        assert box.find_next("details", class_="solution") is dropdown or box in owners, \
+            f"{dropdown['id']} does not follow its exercise"
+        owners.append(box)
+    assert [box["id"] for box in boxes] == list(dict.fromkeys(box["id"] for box in owners)), \
+        "every exercise, in order, has its solution dropdown"
+    for box in boxes:
+        link = box.select_one("p.admonition-title a.exercise-solution-link")
+        target = article.find(id=link["href"].removeprefix("#")) if link else None
+        assert target in dropdowns and target.find_previous("div", class_="exercise") is box, \
+            f"{box['id']}: the box's title does not link to its solution"
+
+    code = {pre.get_text().strip(): pre for pre in article.select("div.cell_input pre")}
+    for source in solutions:
+        pre = code.get(source.strip())
+        assert pre is not None, f"solution cell {source.splitlines()[1:2]} is not shown"
+        assert pre.find_parent("details", class_="solution"), \
+            f"solution cell {source.splitlines()[1:2]} is not inside a solution dropdown"
+    assert "Show code cell content" not in article.get_text(), "a solution still hides behind MyST-NB's toggle"
