@@ -313,6 +313,7 @@ def test_residual_patching_localises_the_copied_token():
     expected = torch.zeros(3, 14)
     expected[0, 4] = expected[1, 4] = expected[2, 13] = 1.0
     torch.testing.assert_close(restored, expected, atol=1e-4, rtol=0)
+    assert (restored[:, :4] == 0).all()  # the streams agree before the changed token: not run, exactly 0
     ld = logit_difference(model(clean)[0].detach(), answer, wrong)
     assert ld.shape == (1,) and float(ld) > 10
     with pytest.raises(ValueError, match="same shape"):
@@ -336,6 +337,12 @@ def test_residual_patching_agrees_with_patch_residual_one_position_at_a_time():
         expected = (ld - ld_corrupted) / (ld_clean - ld_corrupted)
         assert float(restored[layer, p]) == pytest.approx(float(expected), abs=1e-4)
     assert float(restored[2, 5]) == pytest.approx(1.0, abs=1e-4) and abs(float(restored[2, 0])) < 1e-4
+    some = residual_patching(model, clean, corrupted, answer, wrong, layers=[2, 0])
+    assert some.shape == (2, 6)
+    torch.testing.assert_close(some, restored[[2, 0]], atol=1e-6, rtol=0)
+    for bad in ([3], [-1], [], [True]):
+        with pytest.raises(ValueError, match="layers"):
+            residual_patching(model, clean, corrupted, answer, wrong, layers=bad)
 
 
 def test_scores_on_a_random_model_sit_near_their_baselines():
