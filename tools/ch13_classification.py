@@ -11,7 +11,8 @@ under any other). The task is :func:`groundup.classification.play_passages` with
 of four plays, split by scene. Three bodies:
 
 - ``gpt``: chapter 7's GPT (``chapter7_model()``), the last position's final state (the only position of a causal
-  model that has read the whole passage).
+  model that has read the whole passage). ``gpt-mean``: the same body, the mean of the states over all positions
+  (each position has read only the passage up to itself), for contrast.
 - ``mlm-bert`` / ``mlm-mask``: chapter 9's masked LM pretrained for ``MLM_STEPS`` steps with the 80/10/10 rule or
   with always-[MASK], built exactly as ``tools/ch09_results.py`` builds them (pretraining seed = the entry's seed;
   cached under the data cache's ``models/`` folder, never committed; its final validation loss is stored next to
@@ -62,12 +63,12 @@ FINETUNE = dict(steps=150, batch_size=32, warmup=10, weight_decay=0.0)
 LR = {"scratch": 1e-3, "probe": 1e-2, "full": 3e-4, "lora": 2e-3}
 LORA = dict(r=8, alpha=16.0, targets=list(ATTENTION_PROJECTIONS))
 NGRAM = dict(orders=[1, 2, 3], max_features=2000, l2=1e-3)
-BODIES = ("gpt", "mlm-bert", "mlm-mask")
+BODIES = ("gpt", "gpt-mean", "mlm-bert", "mlm-mask")
 MLM_STEPS = 600
 TRAIN_SUBSET = 512  # training accuracy on this many fixed training passages (all of them would cost 40 s a run)
 LM_EVAL = dict(batch_size=16, max_batches=16)  # the GPT's held-out loss: 256 windows of 64 characters
 MLM_EVAL = dict(batch_size=64, max_batches=10)  # the masked LM's: as its training's evaluation
-RANKS = (1, 4, 16)
+RANKS = (1, 32)
 ENERGY_RANKS = (1, 2, 4, 8, 16)
 TOP_SINGULAR = 32
 
@@ -128,7 +129,7 @@ def mlm_body(variant: str, seed: int):
 
 
 def load_body(body: str, seed: int):
-    if body == "gpt":
+    if body in ("gpt", "gpt-mean"):
         return gpt_body()
     return mlm_body(body.removeprefix("mlm-"), seed)
 
@@ -177,11 +178,11 @@ def run_classifier(body_name: str, method: str, seed: int, *, rank: int = LORA["
     before = None if method == "scratch" else lm_loss(body)
     weights = {k: v.clone() for k, v in body.state_dict().items()}
     head = classifier_for(body, len(train.classes), method, seed=seed, lora_rank=rank, lora_alpha=LORA["alpha"],
-                          lora_targets=LORA["targets"])
+                          lora_targets=LORA["targets"], pooling="mean" if body_name == "gpt-mean" else None)
     config = {**FINETUNE, "lr": LR[method], "optimizer": "AdamW", "passage_chars": TASK["passage_chars"],
               "n_train": len(train), "n_test": len(test), "pooling": head.pooling,
               "lora": {**LORA, "r": rank} if method == "lora" else None,
-              "body_source": "chapter7_model()" if body_name == "gpt" else
+              "body_source": "chapter7_model()" if body_name.startswith("gpt") else
               f"tools/ch09_results.py's MaskedLM, {pretrain['variant']}, {MLM_STEPS} steps, seed {seed}"}
     history = fine_tune(head, ids, labels, steps=FINETUNE["steps"], batch_size=FINETUNE["batch_size"],
                         lr=LR[method], warmup=FINETUNE["warmup"], weight_decay=FINETUNE["weight_decay"], seed=seed)

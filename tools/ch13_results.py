@@ -154,8 +154,8 @@ def run_finetune(seed: int, *, mask_prompt: bool = True, n_eval: int = 50, out=N
 def store(key: str, entry: dict) -> None:
     """Add one entry to the JSON file (several commands may run at once: see tools/results_file.py)."""
     add_entry(OUT, key, entry, header={
-        "about": ("Runs for chapter 13 (see tools/ch13_results.py): SmolLM2-135M-Instruct on the dates task, base "
-                  "and LoRA fine-tunes; each entry says which command made it.")})
+        "about": ("Runs for chapter 13: SmolLM2-135M-Instruct on the dates task (tools/ch13_results.py) and the "
+                  "which-play classification (tools/ch13_classification.py); each entry says which command made it.")})
 
 
 def main(argv=None) -> None:
