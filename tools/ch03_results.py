@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
 import re
 import sys
@@ -42,12 +41,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from results_file import add_entry
 
 from groundup.data import get_batch, load_corpus, train_val_split
 from groundup.embeddings import TokenEmbedding, Unembedding, rms
 from groundup.models import GPT, GPTConfig
 from groundup.tokenizers import CharTokenizer
-from groundup.utils import atomic_write_text
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter03.json"
 SEEDS = (0, 1, 2)
@@ -181,12 +180,9 @@ def main(argv=None) -> None:
 
     def save(key, entry, kind, seed):
         entry["command"] = f"OMP_NUM_THREADS=1 python tools/ch03_results.py --kind {kind} --seed {seed}"
-        stored = json.loads(OUT.read_text()) if OUT.exists() else {"runs": {}}  # re-read: other runs may have saved
-        stored["about"] = ("Runs for chapter 3 (one CPU thread each, see tools/ch03_results.py); each entry says "
-                           "which command made it.")
-        stored["runs"][key] = entry
-        stored["runs"] = dict(sorted(stored["runs"].items()))
-        atomic_write_text(OUT, json.dumps(stored, indent=1, ensure_ascii=False) + "\n")
+        add_entry(OUT, key, entry, header={"about": (
+            "Runs for chapter 3 (one CPU thread each, see tools/ch03_results.py); each entry says which command "
+            "made it.")})
         print("stored", key, flush=True)
 
     if args.kind in ("init", "all"):

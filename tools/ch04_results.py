@@ -16,12 +16,12 @@ t = 3..31, 32..63, 64..127, 128..255. Training uses one CPU thread, so a run giv
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from results_file import add_entry
 from torch import nn
 
 from groundup.positional import (
@@ -31,7 +31,6 @@ from groundup.positional import (
     alibi_bias,
     sinusoidal_encoding,
 )
-from groundup.utils import atomic_write_text
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter04.json"
 VOCAB, K_BACK, TRAIN_LEN, TEST_LENS = 16, 3, 32, [32, 64, 128, 256]
@@ -129,23 +128,20 @@ def main(argv=None) -> None:
     p.add_argument("--encodings", nargs="+", default=ENCODINGS, choices=ENCODINGS)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    results = json.loads(OUT.read_text()) if OUT.exists() else {}
-    results["_config"] = {
+    add_entry(OUT, "_config", {
         "task": f"copy the token {K_BACK} back, vocabulary {VOCAB}, chance {1 / VOCAB:.4f}",
         "model": f"{N_LAYERS} pre-norm layers, d_model {D_MODEL}, causal attention, MLP 4x",
         "training": f"{STEPS} AdamW steps, lr 3e-3, batch {BATCH}, sequences of {TRAIN_LEN}",
         "test_lengths": TEST_LENS, "position_ranges_256": RANGES,
         "seed": "torch.manual_seed(seed) for the weights, generator 1 + 1000 * seed for the batches",
         "command": "OMP_NUM_THREADS=1 python tools/ch04_results.py",
-    }
+    }, section=None)
     for n_heads in args.heads:
         for seed in args.seeds:
             for enc in args.encodings:
                 entry = run(enc, n_heads, seed)
-                results[f"{enc}/heads{n_heads}/seed{seed}"] = entry
+                add_entry(OUT, f"{enc}/heads{n_heads}/seed{seed}", entry, section=None)
                 print(enc, n_heads, seed, entry, file=sys.stderr, flush=True)
-                OUT.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(OUT, json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
