@@ -32,7 +32,8 @@ def window_by_rule(steps, losses, max_steps):
     plateau = statistics.median(window)
     later = [(s, v) for s, v in zip(steps, losses) if s > 0.35 * max_steps]
     half = min((s for s, v in later if v < plateau / 2), default=None)
-    start = min((s for s, v in later if v <= final + 0.9 * (plateau - final)), default=None)
+    start = None if half is None else max(
+        (s for s, v in zip(steps, losses) if s < half and v >= final + 0.9 * (plateau - final)), default=None)
     end = min((s for s, v in later if v <= final + 0.1 * (plateau - final)), default=None)
     return {"plateau": plateau, "final": final, "half_step": half, "start_step": start, "end_step": end,
             "width": None if start is None or end is None else end - start}
@@ -42,11 +43,17 @@ def test_phase_change_on_a_made_up_curve():
     steps = list(range(0, 101, 5))
     losses = [4.0, 3.6, 3.4, 3.3, 3.2, 3.0, 3.2, 3.1, 2.9, 3.0, 2.5, 1.5, 1.0, 0.6, 0.3, 0.2, 0.15, 0.12, 0.1, 0.1,
               0.1]
-    # plateau: median of steps 25 .. 35 (3.0, 3.2, 3.1) = 3.1; drop 3.0; 90 % level 2.8, 10 % level 0.4
+    # plateau: median of steps 25 .. 35 (3.0, 3.2, 3.1) = 3.1; drop 3.0; 90 % level 2.8, 10 % level 0.4;
+    # below half the plateau (1.55) first at 55; the last step before it still at >= 2.8 is 45 (3.0)
     found = ch14_results.phase_change(steps, losses, 100)
-    assert found == pytest.approx({"plateau": 3.1, "final": 0.1, "half_step": 55, "start_step": 50,
-                                   "end_step": 70, "width": 20})
+    assert found == pytest.approx({"plateau": 3.1, "final": 0.1, "half_step": 55, "start_step": 45,
+                                   "end_step": 70, "width": 25})
     assert found == window_by_rule(steps, losses, 100)
+    # a dip of the plateau's noise below the 90 % level and a rebound above it: the start is the rebound
+    bumpy = losses[:8] + [2.7, 2.9, 2.5] + losses[11:]
+    found = ch14_results.phase_change(steps, bumpy, 100)
+    assert (found["half_step"], found["start_step"], found["end_step"]) == (55, 45, 70)
+    assert found == window_by_rule(steps, bumpy, 100)
     assert ch14_results.phase_change([0, 30, 50, 100], [4.0, 3.0, 2.9, 3.5], 100)["start_step"] is None  # no drop
     assert ch14_results.phase_change([0, 100], [4.0, 1.0], 100)["plateau"] is None  # nothing in the window
 

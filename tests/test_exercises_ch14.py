@@ -1,6 +1,8 @@
 """Each chapter-14 checker accepts the reference solution, rejects plausible wrong answers with the right hint,
 refuses the package's own solution and treats the unattempted stub kindly."""
 
+import copy
+
 import pytest
 import torch
 
@@ -90,11 +92,40 @@ def test_permute_heads_keeps_the_function_and_moves_the_planted_heads():
 
 def test_find_rejects_a_hard_coded_answer_and_the_wrong_order(capsys):
     ok, out = verdict(check_find_induction_circuit, lambda m, t: ((0, 0), (1, 0)), capsys)
-    assert not ok and "previous-token head is (0, 0); it is (0, 1)" in out and "Do not assume" in out
+    assert not ok and ("previous-token head is (0, 0); it is (0, 1)" in out and "Do not assume" in out
+                       or "induction head is (1, 0); it is (1, 1)" in out)
     ok, out = verdict(check_find_induction_circuit, lambda m, t: find_solution(m, t)[::-1], capsys)
     assert not ok and "wrong way round" in out
     ok, out = verdict(check_find_induction_circuit, lambda m, t: (0, 1), capsys)
     assert not ok and "(layer, head)" in out
+
+
+def _largest(model, layer, size):
+    n = model.config.n_heads
+    return max(range(n), key=lambda h: float(size(interp.head_matrices(model, layer, h))))
+
+
+@pytest.mark.parametrize("size", [lambda m: m["W_O"].norm(), lambda m: (m["W_O"] @ m["W_V"]).norm()])
+def test_find_rejects_guessing_from_the_size_of_the_weights(size, capsys):
+    def by_weights(model, tokens):
+        return (0, _largest(model, 0, size)), (1, _largest(model, 1, size))
+
+    ok, out = verdict(check_find_induction_circuit, by_weights, capsys)
+    assert not ok and "it is" in out
+
+
+def test_find_draws_new_sequences_and_a_new_order_on_every_call(capsys):
+    seen = []
+
+    def remembers(model, tokens):
+        seen.append((model.config.vocab_size, tokens.tolist()))
+        return find_solution(model, tokens)
+
+    for _ in range(3):
+        assert verdict(check_find_induction_circuit, remembers, capsys)[0]
+    calls = [seen[4 * k:4 * k + 4] for k in range(3)]
+    assert calls[0] != calls[1] != calls[2]
+    assert len({tuple(v for v, _ in call) for call in calls}) > 1 or calls[0][0][1] != calls[1][0][1]
 
 
 def test_find_refuses_the_packages_scores(capsys):
@@ -106,6 +137,13 @@ def test_find_refuses_the_packages_scores(capsys):
 
     ok, out = verdict(check_find_induction_circuit, calls_package, capsys)
     assert not ok and "previous_token_scores" in out
+
+    def by_composition(model, tokens):  # the planted pair is the largest K-composition score
+        k = interp.composition_scores(model, 0, 1, kind="k")
+        return (0, int(k.max(1).values.argmax())), (1, int(k.max(0).values.argmax()))
+
+    ok, out = verdict(check_find_induction_circuit, by_composition, capsys)
+    assert not ok and "composition_scores" in out
 
 
 # --- Exercise 14.2 -------------------------------------------------------------------------------------------
@@ -141,6 +179,39 @@ def test_zero_ablation_names_the_usual_mistakes(capsys):
     assert not ok and "next head" in out
     ok, out = verdict(check_zero_ablation, lambda *args: "0.5", capsys)
     assert not ok and "float" in out
+
+
+def test_zero_ablation_rejects_a_hook_left_behind_and_zeroed_value_rows(capsys):
+    def never_removed(model, tokens, layer, head):
+        d_head = model.config.d_model // model.config.n_heads
+        model.blocks[layer].attention.W_o.register_forward_pre_hook(
+            lambda m, args: (args[0].index_fill(-1, torch.arange(head * d_head, (head + 1) * d_head), 0.0),))
+        return in_context_loss(model, tokens)
+
+    ok, out = verdict(check_zero_ablation, never_removed, capsys)
+    assert not ok and "left 1 hook(s)" in out and "handle.remove()" in out
+
+    def zero_value_rows(model, tokens, layer, head):  # leaves the value bias: not the head's output set to 0
+        d_head = model.config.d_model // model.config.n_heads
+        model = copy.deepcopy(model)
+        with torch.no_grad():
+            model.blocks[layer].attention.W_v.weight[head * d_head:(head + 1) * d_head] = 0.0
+        return in_context_loss(model, tokens)
+
+    ok, out = verdict(check_zero_ablation, zero_value_rows, capsys)
+    assert not ok and "on a random 4-head model" in out and "slice of W_o" in out
+
+
+def test_zero_ablation_draws_new_sequences_on_every_call(capsys):
+    seen = []
+
+    def remembers(model, tokens, layer, head):
+        seen.append(tokens.tolist())
+        return ablation_solution(model, tokens, layer, head)
+
+    for _ in range(2):
+        assert verdict(check_zero_ablation, remembers, capsys)[0]
+    assert seen[0] != seen[len(seen) // 2]
 
 
 def test_zero_ablation_refuses_the_packages_ablate_heads(capsys):

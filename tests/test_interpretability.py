@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from groundup.induction import hand_built_induction_model, in_context_loss, repeated_random_tokens
+from groundup.induction import AttentionOnlyConfig, hand_built_induction_model, in_context_loss, repeated_random_tokens
 from groundup.interpretability import (
     ablate_heads,
     attention_patterns,
@@ -22,6 +22,7 @@ from groundup.interpretability import (
     patch_residual,
     previous_token_scores,
     recording_attention,
+    remove_from_inputs,
     residual_patching,
     residual_stream,
 )
@@ -184,6 +185,9 @@ def test_scores_find_the_planted_heads_of_the_hand_built_model():
     assert float(eig[0]) == pytest.approx(1.0) and float(eig[1]) == 0.0
     k = composition_scores(model, 0, 1, kind="k")
     assert k[0, 0] > 0.1 and k.flatten()[1:].abs().max() == 0.0
+    # by hand: W_QK = a (I on TOK <- PREV) + a (1 on TOK) (-2 POS_0)ᵀ, ||.||² = a² (v + 4 v); W_OV = I/s (TOK -> PREV);
+    # the product is a/s I (v entries): the score is 1 / sqrt(5 v), however sharp the heads
+    assert float(k[0, 0]) == pytest.approx(1 / math.sqrt(5 * 10), rel=1e-5)
     assert composition_scores(model, 0, 1, kind="q").abs().max() == 0.0  # the induction query reads TOK only
     # the interventions agree: each planted head is needed, the decoys are not
     tokens = _permutation_repeats(4, 10, seed=1)
@@ -352,3 +356,79 @@ def test_scores_on_a_random_model_sit_near_their_baselines():
         for scores in (previous_token_scores(pattern), induction_scores(pattern)):
             assert scores.shape == (4,) and ((scores > 0) & (scores < 0.9)).all()
     assert math.isfinite(float(F.softmax(logit_lens(model, tokens)[0, 0, 0], -1).sum()))
+
+
+def _attention_output(model, layer, ids):
+    seen = {}
+    handle = model.blocks[layer].attention.register_forward_hook(lambda m, args, out: seen.setdefault("out", out))
+    try:
+        with torch.no_grad():
+            logits = model(ids)[0]
+    finally:
+        handle.remove()
+    return seen["out"], logits
+
+
+def _attention_only(seed):
+    torch.manual_seed(seed)
+    model = GPT(AttentionOnlyConfig(vocab_size=11, context_length=12, d_model=16, n_heads=4, tie_weights=False))
+    with torch.no_grad():  # away from the small initialisation, biases and norm gains included
+        g = torch.Generator().manual_seed(seed + 1)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
+def test_remove_from_inputs_on_all_paths_is_the_ablation_seen_by_the_next_block():
+    model, ids = _attention_only(3), _ids()
+    plain, plain_logits = _attention_output(model, 1, ids)
+    with ablate_heads(model, [(0, 2)]):
+        ablated, _ = _attention_output(model, 1, ids)
+    with remove_from_inputs(model, (0, 2), 1, "qkv"):
+        removed, logits = _attention_output(model, 1, ids)
+    torch.testing.assert_close(removed, ablated, atol=1e-5, rtol=0)
+    assert (removed - plain).abs().max() > 1e-2  # the head matters, so the check could fail
+    assert not torch.equal(logits, plain_logits)
+    # the hooks and the unfused projections are gone afterwards
+    assert torch.equal(_attention_output(model, 1, ids)[0], plain)
+    assert type(model.blocks[1].attention.W_k) is torch.nn.Linear
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_remove_from_inputs_changes_only_the_chosen_paths():
+    model, ids = _attention_only(4), _ids()
+    block = model.blocks[1]
+    stream = residual_stream(model, ids)[1]
+    with ablate_heads(model, [(0, 1)]):
+        without = residual_stream(model, ids)[1]  # the stream into block 1 without head 0.1's output
+    seen = {}
+    handles = [getattr(block.attention, name).register_forward_hook(
+        lambda m, args, out, name=name: seen.__setitem__(name, out)) for name in ("W_q", "W_k", "W_v")]
+    try:
+        for paths in ("k", "q", "v", "kv"):
+            seen.clear()
+            with remove_from_inputs(model, (0, 1), 1, paths):
+                _attention_output(model, 1, ids)
+            assert sorted(seen) == ["W_k", "W_q", "W_v"]  # computed one by one while the hooks are on
+            with torch.no_grad():
+                for p in "qkv":
+                    linear = getattr(block.attention, f"W_{p}")
+                    expected = linear(block.norm_1(without if p in paths else stream))
+                    torch.testing.assert_close(seen[f"W_{p}"], expected, atol=1e-5, rtol=0)
+            assert not torch.allclose(seen["W_k"], block.attention.W_k(block.norm_1(stream)).detach(),
+                                      atol=1e-3) or "k" not in paths
+    finally:
+        for handle in handles:
+            handle.remove()
+    # a head that writes nothing removes nothing
+    with torch.no_grad():
+        model.blocks[0].attention.W_o.weight[:, 4:8] = 0.0
+    plain, _ = _attention_output(model, 1, ids)
+    with remove_from_inputs(model, (0, 1), 1, "qkv"):
+        torch.testing.assert_close(_attention_output(model, 1, ids)[0], plain, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="after the source"):
+        with remove_from_inputs(model, (1, 0), 1):
+            pass
+    with pytest.raises(ValueError, match="paths"):
+        with remove_from_inputs(model, (0, 0), 1, "x"):
+            pass

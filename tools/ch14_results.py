@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python tools/ch14_results.py              # seeds 0, 1, 2 (about a minute each)
     OMP_NUM_THREADS=1 python tools/ch14_results.py --seed 1     # one seed
+    python tools/ch14_results.py --windows                      # only re-read the windows off the stored curves
 
 Each seed trains the two-layer attention-only transformer of :mod:`groundup.induction`'s measured recipe
 (``MODEL``: 2 layers x 4 heads, d_model 64, vocabulary 64, context 32, RoPE, untied; ``TRAINING``: batch 32,
@@ -19,12 +20,14 @@ batches of its training distribution, :func:`~groundup.induction.random_repeats`
 ``T`` steps (:func:`phase_change`):
 
 * ``plateau``: the median of ``L(s)`` over the recorded steps with ``0.25 T <= s <= 0.35 T`` (steps 500 .. 700
-  of 2000: after the slow descent from the untrained model's loss to about 3, before any seed's drop; the
-  median, because the plateau is noisy, +-0.2);
+  of 2000, where the stored curves are flat to within their noise of +-0.2; the median, because of that noise);
 * ``final``: ``L(T)``, the last recorded value; ``drop = plateau - final``;
-* ``half_step``: the first recorded step ``s > 0.35 T`` with ``L(s) < plateau / 2``;
-* ``start_step`` / ``end_step``: the first recorded steps ``s > 0.35 T`` with ``L(s) <= final + 0.9 drop`` and
-  ``L(s) <= final + 0.1 drop`` (10 % and 90 % of the drop done); ``width = end_step - start_step``.
+* ``half_step``: the first recorded step ``s > 0.35 T`` with ``L(s) < plateau / 2``, the middle of the fall;
+* ``start_step``: the *last* recorded step ``s < half_step`` with ``L(s) >= final + 0.9 drop`` (the loss still
+  within 10 % of the drop of the plateau): the drop begins after it, so noise on the plateau that dips below
+  that level earlier, or a rebound to it, does not move the start;
+* ``end_step``: the first recorded step ``s > 0.35 T`` with ``L(s) <= final + 0.1 drop`` (90 % of the drop
+  done); ``width = end_step - start_step``.
 
 A step the curve never reaches is None (as is everything when no step lies in the plateau window or the drop is
 not positive). The resolution is ``RECORD_EVERY`` steps.
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -103,9 +107,25 @@ def phase_change(steps: list[int], losses: list[float], max_steps: int) -> dict:
     def first(threshold, strict=False):
         return next((s for s, loss in after if (loss < threshold if strict else loss <= threshold)), None)
 
-    start, end = first(final + 0.9 * drop), first(final + 0.1 * drop)
-    return {"plateau": plateau, "final": final, "half_step": first(plateau / 2, strict=True), "start_step": start,
+    half, end = first(plateau / 2, strict=True), first(final + 0.1 * drop)
+    start = None
+    if half is not None:
+        start = max((s for s, loss in zip(steps, losses) if s < half and loss >= final + 0.9 * drop), default=None)
+    return {"plateau": plateau, "final": final, "half_step": half, "start_step": start,
             "end_step": end, "width": None if start is None or end is None else end - start}
+
+
+def recompute_windows(path: Path = OUT) -> dict:
+    """Apply :func:`phase_change` again to every stored curve (no training) and store the windows; returns them
+    by key. For a change of the rule: the curves are what the runs measured, the windows only read them."""
+
+    found = {}
+    for key, entry in json.loads(Path(path).read_text(encoding="utf-8"))["runs"].items():
+        curve = entry["curve"]
+        entry["phase_change"] = phase_change(curve["step"], curve["in_context_loss"], entry["training"]["max_steps"])
+        add_entry(path, key, entry)
+        found[key] = entry["phase_change"]
+    return found
 
 
 def _rounded(t: torch.Tensor):
@@ -196,7 +216,13 @@ def store(key: str, entry: dict) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, action="append", help="a seed (repeatable; default: 0, 1, 2)")
+    p.add_argument("--windows", action="store_true",
+                   help="only recompute the stored runs' phase-change windows from their stored curves")
     args = p.parse_args(argv)
+    if args.windows:
+        for key, pc in recompute_windows().items():
+            print(f"{key}: {pc}")
+        return
     for seed in args.seed or [0, 1, 2]:
         if seed < 0:
             p.error(f"--seed must be a non-negative integer, got {seed}")

@@ -174,14 +174,15 @@ class AttentionOnlyConfig(GPTConfig):
 
 
 def hand_built_induction_model(vocab_size: int, context_length: int, *, sharpness: float = 40.0,
-                               confidence: float = 30.0) -> GPT:
+                               confidence: float = 30.0, decoy_gain: float = 2.0) -> GPT:
     """A two-layer, two-heads-a-layer attention-only :class:`GPT` whose weights do induction, set by hand.
 
-    The residual stream has four blocks of one-hot coordinates, ``d_model = 3 vocab_size + context_length``
+    The residual stream has five blocks of one-hot coordinates, ``d_model = 4 vocab_size + context_length``
     (plus one when that is odd, to split into two heads): ``TOK`` (the current token, from ``W_E``), ``POS`` (the
-    position, from the learned positional embedding), ``PREV`` and ``OUT`` (both empty at the input). The norms
-    are RMSNorms with γ = 1: every position's stream holds the same number of unit vectors, so a norm multiplies
-    all positions by the same factor, which the weights divide out.
+    position, from the learned positional embedding), ``PREV``, ``OUT`` and ``SCRATCH`` (all empty at the input).
+    The norms are RMSNorms with γ = 1: every position's stream has the same squared norm (one per unit vector,
+    ``decoy_gain ** 2`` per decoy write), so a norm multiplies all positions by the same factor, which the
+    weights divide out.
 
     * Layer 1, head 0, the **previous-token head**: query ``POS_{i-1}`` (a shift of ``POS_i``), key ``POS_j``,
       so position ``i`` attends to ``i - 1`` (position 0 to itself); value ``TOK``, written to ``PREV``.
@@ -189,7 +190,10 @@ def hand_built_induction_model(vocab_size: int, context_length: int, *, sharpnes
       positions right after earlier copies of its token (position 0, whose ``PREV`` holds its own token, is
       pushed away by one more key coordinate); value ``TOK``, written to ``OUT``. This is K-composition: the
       key reads what head 1.0 wrote.
-    * Heads 0.1 (attends to itself) and 1.1 (uniform) write nothing: decoys for the scores.
+    * Heads 0.1 and 1.1 are **decoys**: each attends to its own position and writes ``decoy_gain`` times its
+      token into ``SCRATCH``, which no later weight reads. With ``decoy_gain > 1`` their ``W_O`` slices and OV
+      matrices are *larger* than the planted heads', so only the attention patterns (or an intervention) tell
+      the heads apart, not the size of the weights.
     * The unembedding reads ``OUT``: the logit of token ``v`` is ``confidence`` times ``OUT_v`` (up to the final
       norm's common factor).
 
@@ -198,19 +202,21 @@ def hand_built_induction_model(vocab_size: int, context_length: int, *, sharpnes
     no repeated token (e.g. a random permutation, repeated), the in-context loss is near 0.
     """
     v, n = _positive("vocab_size", vocab_size), _positive("context_length", context_length)
-    for name, value in (("sharpness", sharpness), ("confidence", confidence)):
+    for name, value in (("sharpness", sharpness), ("confidence", confidence), ("decoy_gain", decoy_gain)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{name} must be a positive number, got {value!r}")
-    d = 3 * v + n + (3 * v + n) % 2
+    d = 4 * v + n + (4 * v + n) % 2
     d_head = d // 2
-    if d_head < max(n, v + 1):  # needs 3v >= n
-        raise ValueError(f"context_length ({n}) must be at most 3 * vocab_size ({3 * v}) for the hand-built heads "
+    if d_head < max(n, v + 1):  # needs 4v >= n
+        raise ValueError(f"context_length ({n}) must be at most 4 * vocab_size ({4 * v}) for the hand-built heads "
                          "to fit in d_head = d_model / 2")
-    tok, pos, prev, out = 0, v, v + n, 2 * v + n  # where each block of coordinates starts
+    tok, pos, prev, out, scratch = 0, v, v + n, 2 * v + n, 3 * v + n  # where each block of coordinates starts
     config = AttentionOnlyConfig(vocab_size=v, context_length=n, d_model=d, n_layers=2, n_heads=2,
                                  positional="learned", norm="rmsnorm", bias=False, tie_weights=False)
     model = GPT(config)
-    s1, s2 = math.sqrt(d / 2), math.sqrt(d / 3)  # RMSNorm's factor: 2 (layer 1) and 3 (layer 2) unit vectors
+    g = float(decoy_gain)
+    # RMSNorm's factor d / |x|^2: layer 1 sees TOK + POS; layer 2 also PREV and g SCRATCH; the end also OUT, 2g SCRATCH
+    s1, s2, s_f = math.sqrt(d / 2), math.sqrt(d / (3 + g * g)), math.sqrt(d / (4 + 4 * g * g))
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -219,19 +225,22 @@ def hand_built_induction_model(vocab_size: int, context_length: int, *, sharpnes
                 p.fill_(1.0)
         model.token_embedding.weight[:, tok:tok + v] = torch.eye(v)
         model.position_embedding.weight[:, pos:pos + n] = torch.eye(n)
-        a1 = sharpness * math.sqrt(d_head) / s1 ** 2  # query scale: the score gap is `sharpness`
-        a2 = sharpness * math.sqrt(d_head) / s2 ** 2
         att1, att2 = model.blocks[0].attention, model.blocks[1].attention
-        h1 = slice(d_head, 2 * d_head)  # rows of head 1 in W_q / W_k / W_v
+        h1 = slice(d_head, 2 * d_head)  # rows of head 1 in W_q / W_k / W_v, columns of head 1 in W_o
+        for att, s in ((att1, s1), (att2, s2)):  # the decoys: attend to oneself, write g TOK into SCRATCH
+            a = sharpness * math.sqrt(d_head) / s ** 2  # query scale: the score gap is `sharpness`
+            att.W_q.weight[h1][:n, pos:pos + n] = a * torch.eye(n)
+            att.W_k.weight[h1][:n, pos:pos + n] = torch.eye(n)
+            att.W_v.weight[h1][:v, tok:tok + v] = torch.eye(v)
+            att.W_o.weight[scratch:scratch + v, h1][:, :v] = g * torch.eye(v) / s
+        a1 = sharpness * math.sqrt(d_head) / s1 ** 2
+        a2 = sharpness * math.sqrt(d_head) / s2 ** 2
         # layer 1, head 0: previous token (query row r reads POS_{r+1}, key row r reads POS_r)
         for r in range(n - 1):
             att1.W_q.weight[r, pos + r + 1] = a1
         att1.W_k.weight[:n, pos:pos + n] = torch.eye(n)
         att1.W_v.weight[:v, tok:tok + v] = torch.eye(v)
         att1.W_o.weight[prev:prev + v, :v] = torch.eye(v) / s1
-        # layer 1, head 1: a decoy that attends to its own position and writes nothing
-        att1.W_q.weight[h1][:n, pos:pos + n] = a1 * torch.eye(n)
-        att1.W_k.weight[h1][:n, pos:pos + n] = torch.eye(n)
         # layer 2, head 0: induction (query TOK, key PREV; key coordinate v pushes position 0 away)
         att2.W_q.weight[:v, tok:tok + v] = a2 * torch.eye(v)
         att2.W_q.weight[v, tok:tok + v] = a2
@@ -239,6 +248,5 @@ def hand_built_induction_model(vocab_size: int, context_length: int, *, sharpnes
         att2.W_k.weight[v, pos] = -2.0
         att2.W_v.weight[:v, tok:tok + v] = torch.eye(v)
         att2.W_o.weight[out:out + v, :v] = torch.eye(v) / s2
-        # layer 2, head 1: a decoy with zero weights (uniform attention, writes nothing)
-        model.unembedding.weight[:, out:out + v] = confidence * math.sqrt(4 / d) * torch.eye(v)
+        model.unembedding.weight[:, out:out + v] = confidence / s_f * torch.eye(v)
     return model

@@ -10,7 +10,9 @@ removes them when it is done, also on an error:
   final norm and the unembedding;
 * **head scores** on attention patterns: :func:`previous_token_scores`, :func:`induction_scores`; and on the
   weights: :func:`copying_scores`, :func:`ov_eigenvalue_scores`, :func:`composition_scores` (Elhage et al. 2021);
-* **interventions**: :func:`ablate_heads` (zero or mean ablation, a context manager), :func:`patch_residual`
+* **interventions**: :func:`ablate_heads` (zero or mean ablation, a context manager), :func:`remove_from_inputs`
+  (one head's output taken out of what a later block's queries, keys or values read: composition tested by an
+  intervention), :func:`patch_residual`
   (a context manager) and :func:`residual_patching` (activation patching per layer and position, Meng et al.
   2022; Wang et al. 2022), with :func:`logit_difference` as the metric.
 
@@ -501,6 +503,69 @@ def ablate_heads(model: GPT, heads: Iterable[tuple[int, int]], *, mode: str = "z
         for layer, heads_here in chosen.items():
             handles.append(model.blocks[layer].attention.W_o.register_forward_pre_hook(make_pre(layer, heads_here)))
         yield model
+
+
+class _Unfused(nn.Linear):
+    """An ``nn.Linear`` that attention does not stack with its neighbours into one matmul (it fuses only plain
+    ``nn.Linear`` s), so that a hook on it runs. Used by :func:`remove_from_inputs` while its hooks are on."""
+
+
+@contextlib.contextmanager
+def remove_from_inputs(model: GPT, source: tuple[int, int], layer: int, paths: Iterable[str] = ("k",)):
+    """A context manager in which block ``layer``'s attention reads its queries, keys and / or values (``paths``,
+    any of ``"q"``, ``"k"``, ``"v"``) from the stream *without* head ``source = (layer0, head)``'s direct output.
+
+    Head ``source`` writes ``c = W_O^h z^h`` into the stream (no bias), and the stream carries ``c`` unchanged to
+    block ``layer > layer0``. A forward pre-hook on ``source``'s ``W_o`` records ``c``, one on block ``layer``
+    records that block's input ``x``, and pre-hooks on its ``W_q`` / ``W_k`` / ``W_v`` (for the chosen
+    ``paths``) replace their input ``N(x)`` by ``N(x - c)``. Everything else still sees ``c``: the other paths,
+    the residual connection, later blocks, the unembedding. In an attention-only model, with all three paths and
+    ``layer = layer0 + 1``, the block's attention computes exactly what it computes with ``source``
+    zero-ablated (an FFN in between would also see ``c``; it is not removed from what the FFN wrote). Needs
+    Pre-LN blocks.
+    While the hooks are on, the layer's ``W_q``, ``W_k``, ``W_v`` are computed one by one (not in one stacked
+    matmul), so that their hooks run; the model is restored on exit, also after an error.
+    """
+    _check_model(model)
+    layer0, head = _check_heads(model, [source]).popitem()
+    head = head[0]
+    layer = _check_layer(model, layer)
+    if layer <= layer0:
+        raise ValueError(f"layer ({layer}) must come after the source head's layer ({layer0})")
+    chosen = tuple(paths)  # "kv" is ("k", "v")
+    if not chosen or any(p not in COMPOSITIONS for p in chosen):
+        raise ValueError(f"paths must be a non-empty selection of {COMPOSITIONS}, got {paths!r}")
+    block = model.blocks[layer]
+    if getattr(block, "norm_position", "pre") != "pre":
+        raise ValueError("remove_from_inputs needs Pre-LN blocks (x + attention(norm_1(x)))")
+    attention, out = block.attention, model.blocks[layer0].attention.W_o
+    d_head = attention.d_head if hasattr(attention, "d_head") else model.config.d_model // model.config.n_heads
+    seen: dict[str, torch.Tensor] = {}
+
+    def record_c(module, args):
+        z = args[0][..., head * d_head:(head + 1) * d_head]
+        seen["c"] = z @ _weight(out)[:, head * d_head:(head + 1) * d_head].T.to(z.dtype)
+
+    def record_x(module, args):
+        seen["x"] = args[0]
+
+    def without_c(module, args):
+        return (block.norm_1(seen["x"] - seen["c"]),) + tuple(args[1:])
+
+    swapped = [getattr(attention, f"W_{p}") for p in COMPOSITIONS]
+    swapped = [m for m in swapped if type(m) is nn.Linear]
+    with _hooks() as handles:
+        try:
+            for m in swapped:
+                m.__class__ = _Unfused
+            handles.append(out.register_forward_pre_hook(record_c))
+            handles.append(block.register_forward_pre_hook(record_x))
+            for p in dict.fromkeys(chosen):
+                handles.append(getattr(attention, f"W_{p}").register_forward_pre_hook(without_c))
+            yield model
+        finally:
+            for m in swapped:
+                m.__class__ = nn.Linear
 
 
 def _stream_hook(model: GPT, layer: int, replace):

@@ -2,11 +2,15 @@
 model with the reader's own scores, zero-ablating one head with a forward pre-hook, and the K-composition score.
 
 Every checker computes the expected values before it calls the reader's function (which gets copies of its
-inputs), refuses the package's own solution and checks the type of what comes back.
+inputs), refuses the package's own solution and checks the type of what comes back. The checks of 14.1 and 14.2
+draw their token sequences afresh on every call (and 14.1 shuffles its four cases), so answers remembered from an
+earlier run do not pass.
 """
 
 from __future__ import annotations
 
+import os
+import random
 from collections.abc import Callable
 
 import torch
@@ -65,6 +69,11 @@ def _permutation_repeats(n_seq: int, half: int, vocab_size: int, g: torch.Genera
     return torch.cat([first, first], dim=1)
 
 
+def _fresh_seed() -> int:
+    """A seed that differs from call to call (the operating system's randomness, not torch's seeded state)."""
+    return int.from_bytes(os.urandom(4), "little")
+
+
 def _as_pair(value, call: str, what: str) -> tuple[int, int]:
     expect(isinstance(value, (tuple, list)) and len(value) == 2, f"{call} returned {value!r} as the {what}",
            "Give each head as a pair (layer, head) of ints, counting from 0 as the package does.")
@@ -82,13 +91,18 @@ def check_find_induction_circuit(fn: Callable) -> Verdict:
     """Exercise 14.1: ``fn(model, tokens) -> ((prev_layer, prev_head), (ind_layer, ind_head))``: the
     previous-token head and the induction head of a two-layer model, found from its attention patterns on the
     repeated sequences ``tokens`` with the reader's own scores (the package's ``previous_token_scores`` and
-    ``induction_scores`` are refused). The models are the hand-built induction model with its heads in four
-    different orders and two sizes."""
-    forbid = (interp.previous_token_scores, interp.induction_scores)
+    ``induction_scores`` are refused, and so are the weight scores ``composition_scores``, ``copying_scores``
+    and ``ov_eigenvalue_scores``). The models are the hand-built induction model with its heads in four
+    different orders and two sizes, in a shuffled order, on freshly drawn sequences; its decoy heads have larger
+    weights than the planted ones, so guessing from the size of the weights fails."""
+    forbid = (interp.previous_token_scores, interp.induction_scores, interp.composition_scores,
+              interp.copying_scores, interp.ov_eigenvalue_scores)
 
     def checks():
-        g = torch.Generator().manual_seed(1401)
+        seed = _fresh_seed()
+        g = torch.Generator().manual_seed(seed)
         cases = [(16, 16, False, False), (16, 16, True, False), (24, 20, False, True), (24, 20, True, True)]
+        random.Random(seed).shuffle(cases)
         for vocab, context, swap1, swap2 in cases:
             model, (prev, induction) = planted_model(vocab, context, swap1, swap2)
             tokens = _permutation_repeats(8, context // 2, vocab, g)
@@ -119,16 +133,24 @@ def check_find_induction_circuit(fn: Callable) -> Verdict:
 def _random_model(seed: int) -> GPT:
     """A random two-layer, four-head attention-only model whose attention weights are scaled up tenfold, so that
     removing any one head changes the in-context loss by 1e-3 or more (at the usual initialisation the heads
-    write so little that their ablations differ by about 1e-5)."""
+    write so little that their ablations differ by about 1e-5), with random non-zero biases (so that zeroing a
+    head's rows of ``W_v`` is not the same as zeroing its output: the value bias would still pass)."""
     torch.manual_seed(seed)
     config = AttentionOnlyConfig(vocab_size=16, context_length=16, d_model=32, n_layers=2, n_heads=4,
-                                 positional="rope", tie_weights=False)
+                                 positional="rope", tie_weights=False, bias=True)
     model = GPT(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("W_q.weight", "W_k.weight", "W_v.weight", "W_o.weight")):
                 p.mul_(10.0)
+            elif name.endswith(("W_q.bias", "W_k.bias", "W_v.bias", "W_o.bias")):
+                p.normal_(0.0, 1.0)
     return model
+
+
+def _hooks_left(model: GPT) -> int:
+    """How many forward hooks and pre-hooks are registered on the modules of ``model``."""
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
 
 def _zero_loss(model: GPT, tokens: torch.Tensor, heads) -> float:
@@ -139,11 +161,15 @@ def _zero_loss(model: GPT, tokens: torch.Tensor, heads) -> float:
 def check_zero_ablation(fn: Callable) -> Verdict:
     """Exercise 14.2: ``fn(model, tokens, layer, head) -> float``: the in-context loss
     (:func:`groundup.induction.in_context_loss`) on ``tokens`` with head ``head`` of block ``layer`` zero-ablated,
-    written with a forward pre-hook of the reader's own (the package's ``ablate_heads`` is refused)."""
+    written with a forward pre-hook of the reader's own (the package's ``ablate_heads`` is refused), which must be
+    removed again before the function returns."""
     forbid = (interp.ablate_heads.__wrapped__,)  # the generator behind the context manager: every call trips
 
+    def and_hooks_left(model, tokens, layer, head):  # runs in the reader's thread, on the reader's copy
+        return fn(model, tokens, layer, head), _hooks_left(model)
+
     def checks():
-        g = torch.Generator().manual_seed(1402)
+        g = torch.Generator().manual_seed(_fresh_seed())
         hand, _ = planted_model(16, 16, False, False)
         models = [("the hand-built model", hand, [(0, 0), (1, 0), (1, 1)], _permutation_repeats(8, 8, 16, g)),
                   ("a random 4-head model", _random_model(14), [(0, 2), (1, 3)],
@@ -163,9 +189,12 @@ def check_zero_ablation(fn: Callable) -> Verdict:
                                      "That is the next head's ablation: head h owns W_o's input "
                                      "columns h * d_head .. (h + 1) * d_head - 1.")
                 call = f"my_zero_ablated_loss(model, tokens, {layer}, {head}) on {label}"
-                got = call_reader(fn, model, tokens, layer, head, call=call,
-                                  names=("model", "tokens", "layer", "head"), forbid=forbid)
+                got, left = call_reader(and_hooks_left, model, tokens, layer, head, call=call,
+                                        names=("model", "tokens", "layer", "head"), forbid=forbid)
                 got = expect_number(got, call, "Return the loss as a float (float(loss)).")
+                expect(left == 0, f"{call} left {left} hook(s) registered on the model",
+                       "Remove the hook before returning: keep the handle that register_forward_pre_hook returns "
+                       "and call handle.remove() in a `finally:` block, so the model is as it was.")
                 for value, hint in wrong.items():
                     if abs(got - value) < 1e-5 and abs(value - expected) > 1e-4:
                         raise Mismatch(f"{call} returned {got:.4f}; the loss with that head ablated is "
