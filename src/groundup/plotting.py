@@ -5,10 +5,12 @@ Every function returns the matplotlib ``Figure`` it drew, so a notebook can adju
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import Rectangle
 
 COLUMN = (6.4, 3.6)  # inches: the width of the book's text column
 
@@ -331,4 +333,142 @@ def plot_embedding_projection(points: Mapping[str, Sequence[float]], groups: Map
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
+    return fig
+
+
+# ---- chapter 2: a tokenization as coloured spans -------------------------------------------------------------------
+
+SPAN_COLORS = ("#c6dbef", "#fdd0a2")  # pale blue, pale orange: neighbouring tokens alternate
+VISIBLE = {" ": "\u2423", "\n": "\u21b5", "\t": "\u21e5"}  # space, newline, tab drawn as ␣ ↵ ⇥
+MONO_ADVANCE = 0.66  # one character cell, in font sizes: DejaVu Sans Mono advances 0.602, rounded up for hinting
+ID_SCALE = 0.75  # token ids are written at this fraction of the tokens' font size
+SPAN_PAD = 0.3  # padding inside each box, in character cells
+
+
+def _shown(piece: str) -> str:
+    """A token as drawn: whitespace made visible."""
+    return "".join(VISIBLE.get(c, c) for c in piece)
+
+
+def _cells(text: str) -> int:
+    """The width of text in monospace character cells (East Asian wide characters take two)."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def _span_widths(pieces: Sequence[str], ids: Sequence[int] | None) -> list[float]:
+    """Each token's box width in character cells: its text or its id (smaller font), whichever is wider, + padding."""
+    if isinstance(pieces, str) or not all(isinstance(p, str) for p in pieces):
+        raise TypeError(f"pieces must be a list of strings (the tokens' text), got {pieces!r:.80}")
+    if ids is not None and len(ids) != len(pieces):
+        raise ValueError(f"ids must have one id per piece ({len(pieces)}), got {len(ids)}")
+    return [max(_cells(_shown(p)), ID_SCALE * len(str(i)) if ids is not None else 0) + SPAN_PAD
+            for p, i in zip(pieces, ids if ids is not None else [None] * len(pieces))]
+
+
+def token_spans(ax, pieces: Sequence[str], *, ids: Sequence[int] | None = None, y: float = 0.0,
+                fontsize: float = 9.0, height: float = 0.6, colors: Sequence[str] = SPAN_COLORS) -> float:
+    """Draw one tokenization on ``ax``: a row of boxes, one per token, in alternating colours, centred at height
+    ``y``, with each token's text inside its box and, when ``ids`` is given, its id below it.
+
+    x is measured in character cells: a box is as wide as its text (or its id, in a smaller font) plus padding, so
+    the text fits when one x unit is one character at ``fontsize`` (``plot_token_spans`` sizes its axes so).
+    Spaces, newlines and tabs are drawn as ␣, ↵ and ⇥. Returns the row's width in cells.
+    """
+    widths = _span_widths(pieces, ids)
+    x = 0.0
+    for k, (piece, width) in enumerate(zip(pieces, widths)):
+        ax.add_patch(Rectangle((x, y - height / 2), width, height, facecolor=colors[k % len(colors)],
+                               edgecolor="white", linewidth=1.0))
+        ax.text(x + width / 2, y, _shown(piece), ha="center", va="center", fontsize=fontsize,
+                fontfamily="DejaVu Sans Mono")
+        if ids is not None:
+            ax.text(x + width / 2, y - 0.55 * height, str(ids[k]), ha="center", va="top",
+                    fontsize=fontsize * ID_SCALE, fontfamily="DejaVu Sans Mono", color="0.35")
+        x += width
+    return x
+
+
+def plot_token_spans(rows: Mapping[str, Sequence[str]], *, ids: Mapping[str, Sequence[int]] | None = None,
+                     title: str | None = None, fontsize: float = 9.0, width: float = COLUMN[0]):
+    """Tokenizations one above the other, each a row of coloured boxes (``token_spans``) under its label.
+
+    ``rows`` maps a label (e.g. "characters: 42 tokens") to the tokens' text, in order; ``ids`` maps some of those
+    labels to the tokens' ids, written below the boxes. The font shrinks from ``fontsize`` if the longest row would
+    not fit in ``width`` inches.
+    """
+    if not rows:
+        raise ValueError("rows must name at least one tokenization")
+    ids = dict(ids or {})
+    unknown = sorted(set(ids) - set(rows))
+    if unknown:
+        raise ValueError(f"ids has labels that rows lacks: {unknown}")
+    cells = max([sum(_span_widths(pieces, ids.get(label))) for label, pieces in rows.items()] + [1.0])
+    avail_in = width - 0.2
+    fontsize = min(fontsize, avail_in * 72 / (cells * MONO_ADVANCE))
+    line_in = fontsize / 72
+    # per row, from the top: its label (9 pt), the boxes (1.5 lines high), the ids, a gap
+    label_in, box_in, ids_in, gap_in = 1.4 * 9 / 72, 1.5 * line_in, 1.2 * line_in, 0.5 * line_in
+    row_in = label_in + box_in + (ids_in if ids else 0.0) + gap_in
+    top_in = 0.35 if title else 0.05
+    height_in = len(rows) * row_in + top_in
+    fig = plt.figure(figsize=(width, height_in))
+    ax = fig.add_axes((0.1 / width, 0.0, avail_in / width, len(rows) * row_in / height_in))
+    ax.set_xlim(0, avail_in * 72 / (fontsize * MONO_ADVANCE))
+    ax.set_ylim(0, len(rows) * row_in)  # y in inches, from the bottom
+    for i, (label, pieces) in enumerate(rows.items()):
+        top = (len(rows) - i) * row_in
+        ax.text(0, top, label, ha="left", va="top", fontsize=9, color="0.2")
+        token_spans(ax, pieces, ids=ids.get(label), y=top - label_in - box_in / 2, fontsize=fontsize,
+                    height=box_in)
+    ax.set_axis_off()
+    if title:
+        fig.suptitle(title, fontsize=10, y=1 - 0.05 / height_in, va="top")
+    return fig
+
+
+# ---- chapter 4: accuracy by position over seeds -------------------------------------------------------------------
+
+
+def plot_accuracy_by_position(panels: Mapping[str, Mapping[str, Sequence[Sequence[float]]]], edges: Sequence[int], *,
+                              chance: float | None = None, train_length: int | None = None,
+                              title: str = "Accuracy by position", xlabel: str = "position $t$",
+                              ylabel: str = "accuracy"):
+    """One panel per entry of ``panels``; in each, one step line per method: the accuracy over each range of
+    positions ``edges[j] <= t < edges[j + 1]``, thin for each seed and thick for the mean over seeds (a method with
+    a single run gets only the thick line, labelled with its name).
+
+    ``panels[panel][method]`` is a list of runs (one per seed), each with ``len(edges) - 1`` values. ``chance`` draws
+    a dashed horizontal line, ``train_length`` a dotted vertical one at the length seen in training.
+    """
+    if not panels or not all(panels.values()):
+        raise ValueError("panels must name at least one panel, each with at least one method")
+    if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"edges must be at least two increasing positions, got {list(edges)}")
+    fig, axes = plt.subplots(1, len(panels), figsize=(COLUMN[0], COLUMN[1] + (0.3 if len(panels) == 1 else 0.6)),
+                             sharey=True, squeeze=False, layout="constrained")
+    styles = ["-", "--", ":", "-."]
+    for ax, (panel, methods) in zip(axes[0], panels.items()):
+        for k, (method, runs) in enumerate(methods.items()):
+            acc = np.array([list(r) for r in runs], dtype=float)
+            if acc.ndim != 2 or acc.shape[1] != len(edges) - 1:
+                raise ValueError(f"method {method!r} of panel {panel!r} must be a list of runs with {len(edges) - 1} "
+                                 f"values each (one per range of positions), got shape {acc.shape}")
+            for run in acc if len(acc) > 1 else ():
+                ax.stairs(run, list(edges), baseline=None, color=f"C{k}", linewidth=0.8, alpha=0.45)
+            ax.stairs(acc.mean(axis=0), list(edges), baseline=None, color=f"C{k}", linewidth=2.2,
+                      linestyle=styles[k % len(styles)],
+                      label=method if len(acc) == 1 else f"{method} (mean of {len(acc)})")
+        if chance is not None:
+            ax.axhline(chance, color="grey", linestyle="--", linewidth=1, label=f"chance ({chance:.2f})")
+        if train_length is not None:
+            ax.axvline(train_length, color="grey", linestyle=":", linewidth=1)
+        ax.set(title=panel, xlabel=xlabel, ylim=(0, 1.05), xlim=(0, edges[-1]))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if len(panels) == 1:
+        axes[0][0].legend(handles, labels, fontsize="small")
+    else:
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize="small")
+    fig.suptitle(title)
     return fig
