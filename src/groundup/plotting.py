@@ -446,7 +446,7 @@ def plot_accuracy_by_position(panels: Mapping[str, Mapping[str, Sequence[Sequenc
         raise ValueError(f"edges must be at least two increasing positions, got {list(edges)}")
     fig, axes = plt.subplots(1, len(panels), figsize=(COLUMN[0], COLUMN[1] + (0.3 if len(panels) == 1 else 0.6)),
                              sharey=True, squeeze=False, layout="constrained")
-    styles = ["-", "--", ":", "-."]
+    styles = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]  # a fifth method stays apart from the first
     for ax, (panel, methods) in zip(axes[0], panels.items()):
         for k, (method, runs) in enumerate(methods.items()):
             acc = np.array([list(r) for r in runs], dtype=float)
