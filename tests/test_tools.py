@@ -313,6 +313,18 @@ def test_nbval_lanes_start_the_models_other_notebooks_only_after_chapter7_and_sh
     assert "then whichever lane is free: 08_b.ipynb 09_c.ipynb 12_d.ipynb" in capsys.readouterr().out
 
 
+def test_nbval_lanes_run_only_the_notebooks_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
+    for name, text in (("07_a", "chapter7_model"), ("01_b", "{}"), ("02_c", "{}")):
+        (tmp_path / f"{name}.ipynb").write_text(text)
+    seen = []
+    monkeypatch.setattr(nbval_lanes.subprocess, "call", lambda command, *, cwd, env: seen.append(command) or 0)
+    assert nbval_lanes.main(["--lanes", "1", "--", "-q", str(tmp_path / "02_c.ipynb")]) == 0
+    assert [Path(a).name for a in seen[0] if a.endswith(".ipynb")] == ["02_c.ipynb"] and "-q" in seen[0]
+    assert nbval_lanes.main(["--", "-q", str(tmp_path / "nope.ipynb")]) == 2
+    assert "no such notebook" in capsys.readouterr().err
+
+
 def test_nbval_lanes_run_with_passive_openmp_threads(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
     (tmp_path / "07_a.ipynb").write_text("chapter7_model")

@@ -1,6 +1,8 @@
 """Run the notebooks under nbval in two lanes at once, so that both cores of a small machine stay busy.
 
-    python tools/nbval_lanes.py [--lanes 1|2] -- PYTEST-ARGS...
+    python tools/nbval_lanes.py [--lanes 1|2] -- PYTEST-ARGS... [NOTEBOOK.ipynb ...]
+
+With notebooks named after ``--``, only those run (in the same environment); without, every chapter does.
 
 Chapter 7 trains the chapter 7 model and caches it; the later notebooks that load it (their source mentions
 ``chapter7_model``) must start only after chapter 7 has ended, or each would train the model again. So lane 1
@@ -145,7 +147,13 @@ def main(argv=None) -> int:
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: arguments for pytest")
     args = parser.parse_args(argv)
     pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
-    notebooks = sorted(NOTEBOOKS.glob("*.ipynb"))
+    named = [a for a in pytest_args if a.endswith(".ipynb")]  # notebooks named on the command line: only those
+    pytest_args = [a for a in pytest_args if a not in named]
+    missing = [a for a in named if not Path(a).is_file()]
+    if missing:
+        print(f"no such notebook: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    notebooks = sorted(Path(a).resolve() for a in named) or sorted(NOTEBOOKS.glob("*.ipynb"))
     if not notebooks:
         print(f"no notebooks in {NOTEBOOKS}", file=sys.stderr)
         return 2
