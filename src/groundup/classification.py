@@ -3,6 +3,7 @@
     train, test = play_passages()                       # 64-character passages of 4 plays, split by scene
     majority_accuracy(train, test)                      # the floor: always answer the commonest play
     ngram_baseline(train, test).accuracy                # bag of character 1-3-grams + logistic regression
+    word_order_task(train)                              # another task: real passage or its words shuffled?
     head = ClassifierHead(gpt, n_classes=len(train.classes))   # pools the body's final hidden states
     logits = head(ids)                                  # (batch, n_classes)
     head = classifier_for(body, 4, "lora", seed=0)       # or "scratch", "probe", "full": what trains
@@ -166,6 +167,43 @@ def play_passages(plays: Sequence[str] = DEFAULT_PLAYS, *, passage_chars: int = 
     classes = tuple(plays)
     train, test = (Passages(tuple(t), tuple(la), tuple(s), classes) for t, la, s in splits.values())
     return train, test
+
+
+WORD_ORDER_CLASSES = ("real", "shuffled")
+"""The classes of :func:`word_order_task`: label 0 is a passage as written, 1 the same words in a random order."""
+SHUFFLE_TRIES = 10
+
+
+def _shuffle_words(text: str, rng: random.Random) -> str | None:
+    """``text`` with its space-separated words in a random order, or None if no try changed it ("a a", "word")."""
+    words = text.split(" ")
+    for _ in range(SHUFFLE_TRIES):
+        rng.shuffle(words)
+        shuffled = " ".join(words)
+        if shuffled != text:
+            return shuffled
+    return None
+
+
+def word_order_task(passages: Passages, *, seed: int = 0) -> Passages:
+    """Real or shuffled? ``passages`` relabelled: every second one (odd index) has its words shuffled, label 1.
+
+    The words are the pieces between single spaces (a newline stays inside its piece, "day\\nAnd"), shuffled with
+    ``random.Random(f"{seed}:{section}:{index}")`` until the text changes; a passage no shuffle changes (one word,
+    or all words equal) stays as written, label 0. A shuffled passage has exactly the characters of the original
+    and the same character n-grams inside words: only n-grams across a space differ, so a bag of character
+    n-grams sees little, while a language model notices the broken syntax. Apply it to each split of
+    :func:`play_passages` separately: the split by scene is kept, and no passage appears both as written and
+    shuffled (a passage is one or the other). ``sections`` are kept; ``classes`` are :data:`WORD_ORDER_CLASSES`.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    texts, labels = [], []
+    for index, (text, section) in enumerate(zip(passages.texts, passages.sections, strict=True)):
+        shuffled = _shuffle_words(text, random.Random(f"{seed}:{section}:{index}")) if index % 2 else None
+        texts.append(text if shuffled is None else shuffled)
+        labels.append(0 if shuffled is None else 1)
+    return Passages(tuple(texts), tuple(labels), passages.sections, WORD_ORDER_CLASSES)
 
 
 def encode_passages(passages: Passages, tokenizer, *, pad_id: int = 0):
