@@ -16,7 +16,6 @@ from groundup.exercises.ch13 import (
     check_lora_forward,
     check_lora_parameter_count,
     check_merge,
-    lora_shapes,
 )
 from groundup.instructions import encode_instructions, instruction_messages
 from groundup.lora import LoRALinear, attach_lora, count_parameters, lora_parameter_count
@@ -35,11 +34,15 @@ def merge_solution(W, A, B, alpha):
     return W + (alpha / A.shape[0]) * B @ A
 
 
-def count_solution(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
+def lora_shapes(d_model, n_heads, n_kv_heads, d_ff):
     d_kv = d_model // n_heads * n_kv_heads
-    shapes = {"W_q": (d_model, d_model), "W_k": (d_kv, d_model), "W_v": (d_kv, d_model),
-              "W_o": (d_model, d_model), "W_gate": (d_ff, d_model), "W_in": (d_ff, d_model),
-              "W_out": (d_model, d_ff)}
+    return {"W_q": (d_model, d_model), "W_k": (d_kv, d_model), "W_v": (d_kv, d_model),
+            "W_o": (d_model, d_model), "W_gate": (d_ff, d_model), "W_in": (d_ff, d_model),
+            "W_out": (d_model, d_ff)}
+
+
+def count_solution(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
+    shapes = lora_shapes(d_model, n_heads, n_kv_heads, d_ff)
     return n_layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets)
 
 
@@ -136,6 +139,8 @@ def test_the_labels_are_groundup_instructions():
     (lambda x, W, b, A, B, alpha: x @ W.T + b + alpha * (x @ A.T) @ B.T, "not alpha."),
     (lambda x, W, b, A, B, alpha: x @ W.T + (alpha / A.shape[0]) * (x @ A.T) @ B.T, "bias"),
     (lambda x, W, b, A, B, alpha: (alpha / A.shape[0]) * (x @ A.T) @ B.T, "not used instead"),
+    (lambda x, W, b, A, B, alpha: x @ W.T + b + (alpha / W.shape[0]) * (x @ A.T) @ B.T, "not by d_out"),
+    (lambda x, W, b, A, B, alpha: x @ W.T + b + (alpha / W.shape[1]) * (x @ A.T) @ B.T, "not by d_in"),
 ])
 def test_forward_mistakes_are_named(wrong, words, capsys):
     ok, out = verdict(check_lora_forward, wrong, capsys)
@@ -180,6 +185,7 @@ def test_forward_calling_peft_is_refused(capsys):
     (lambda W, A, B, alpha: (alpha / A.shape[0]) * B @ A, "not the update alone"),
     (lambda W, A, B, alpha: W - (alpha / A.shape[0]) * B @ A, "merging adds"),
     (lambda W, A, B, alpha: (W + (alpha / A.shape[0]) * B @ A).T, "transpose"),
+    (lambda W, A, B, alpha: W + (alpha / W.shape[0]) * B @ A, "not by d_out"),
 ])
 def test_merge_mistakes_are_named(wrong, words, capsys):
     ok, out = verdict(check_merge, wrong, capsys)
@@ -216,6 +222,7 @@ def test_merge_through_the_package_is_refused(capsys):
     (lambda n, d, h, kv, ff, r, t: count_solution(1, d, h, kv, ff, r, t), "n_layers blocks"),
     (lambda n, d, h, kv, ff, r, t: count_solution(n, d, h, h, ff, r, t), "grouped-query"),
     (lambda n, d, h, kv, ff, r, t: float(count_solution(n, d, h, kv, ff, r, t)), "int"),
+    (lambda n, d, h, kv, ff, r, t: count_solution(n, d, h, kv, ff, r, t[1:]), "leaves out W_q"),
 ])
 def test_count_mistakes_are_named(wrong, words, capsys):
     ok, out = verdict(check_lora_parameter_count, wrong, capsys)
@@ -231,8 +238,83 @@ def test_count_with_the_package_is_refused(capsys):
     assert not ok and "lora_parameter_count" in out, out
 
 
+def test_count_fallback_hint_does_not_give_the_solution(capsys):
+    ok, out = verdict(check_lora_parameter_count, lambda *args: count_solution(*args) + 1, capsys)
+    assert not ok and "times the right one" in out and "(d_ff, d_model)" not in out, out
+
+
+def test_count_solution_helpers_are_not_exported_and_are_refused(capsys):
+    from groundup.exercises import ch13
+
+    assert not hasattr(ch13, "lora_shapes") and not any("shape" in name for name in ch13.__all__)
+
+    def theirs(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
+        shapes = ch13._lora_shapes(d_model, n_heads, n_kv_heads, d_ff)
+        return n_layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets)
+
+    ok, out = verdict(check_lora_parameter_count, theirs, capsys)
+    assert not ok and "_lora_shapes" in out, out
+
+
+def test_count_cases_are_new_every_call(capsys):
+    seen = []
+
+    def recording(*args):
+        seen.append(args)
+        return count_solution(*args)
+
+    assert verdict(check_lora_parameter_count, recording, capsys)[0]
+    assert verdict(check_lora_parameter_count, recording, capsys)[0]
+    assert len(seen) == 12 and seen[0] == seen[6] == (30, 576, 9, 3, 1536, 8, ("W_q", "W_v"))
+    assert seen[1:6] != seen[7:12]
+    assert any(kv < h and {"W_k", "W_v"} & set(t) for _, _, h, kv, _, _, t in seen[1:6])
+
+
+def test_count_from_a_remembered_table_fails(capsys):
+    table = {(30, 576, 9, 3, 1536, 8, ("W_q", "W_v")): 460_800,  # the old fixed cases and their answers
+             (30, 576, 9, 3, 1536, 1, ("W_q", "W_v")): 57_600,
+             (32, 4096, 32, 32, 11008, 8, ("W_q", "W_v")): 4_194_304}
+    ok, out = verdict(check_lora_parameter_count, lambda *args: table.get(args, 0), capsys)
+    assert not ok and "expected" in out, out
+
+
+def test_count_with_transformers_llama_is_refused(capsys):
+    pytest.importorskip("transformers")
+
+    def with_llama(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=8, hidden_size=d_model, intermediate_size=d_ff,
+                             num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                             num_key_value_heads=n_kv_heads)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        names = {"W_q": "q_proj", "W_k": "k_proj", "W_v": "v_proj", "W_o": "o_proj", "W_gate": "gate_proj",
+                 "W_in": "up_proj", "W_out": "down_proj"}
+        return sum(r * (m.in_features + m.out_features) for name, m in model.named_modules()
+                   if name.split(".")[-1] in {names[t] for t in targets})
+
+    ok, out = verdict(check_lora_parameter_count, with_llama, capsys)
+    assert not ok and "transformers.Llama" in out, out
+
+
+def test_count_with_peft_is_refused(capsys):
+    peft = pytest.importorskip("peft")
+
+    def with_peft(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
+        d_kv = d_model // n_heads * n_kv_heads
+        block = nn.ModuleDict({"q_proj": nn.Linear(d_model, d_model), "v_proj": nn.Linear(d_model, d_kv)})
+        model = peft.get_peft_model(nn.Sequential(*[copy.deepcopy(block) for _ in range(n_layers)]),
+                                    peft.LoraConfig(r=r, target_modules=["q_proj", "v_proj"]))
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    ok, out = verdict(check_lora_parameter_count, with_peft, capsys)
+    assert not ok and "peft" in out, out
+
+
 @pytest.mark.parametrize("wrong, words", [
     (lambda ids, p: torch.where(torch.arange(len(ids)) >= p, ids, -100), "shifted left"),
+    (lambda ids, p: torch.cat([labels_solution(ids, p)[:-2], torch.tensor([-100, -100])]), "<|im_end|>"),
     (lambda ids, p: torch.where(torch.arange(len(ids)) >= p, labels_solution(ids, p), -100), "first token"),
     (lambda ids, p: torch.cat([labels_solution(ids, p)[:-1], ids[-1:]]), "no next token"),
     (lambda ids, p: torch.cat([ids[1:], torch.tensor([-100])]), "prompt is trained"),
@@ -264,3 +346,20 @@ def test_labels_through_the_package_are_refused(capsys):
 
     ok, out = verdict(check_answer_labels, package, capsys)
     assert not ok and "encode_instructions" in out, out
+
+
+def test_labels_through_the_checkers_own_solution_are_refused(capsys):
+    from groundup.exercises import ch13
+
+    ok, out = verdict(check_answer_labels, lambda ids, p: ch13._answer_labels(ids, p), capsys)
+    assert not ok and "_answer_labels" in out, out
+
+
+def test_labels_fallback_hint_does_not_give_the_solution(capsys):
+    def off_by_one(ids, prompt_length):
+        labels = labels_solution(ids, prompt_length)
+        labels[prompt_length - 1] = 7
+        return labels
+
+    ok, out = verdict(check_answer_labels, off_by_one, capsys)
+    assert not ok and "one by one" in out and "ids[i + 1]" not in out, out

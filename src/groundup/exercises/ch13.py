@@ -9,6 +9,7 @@ solution (``groundup.lora``, ``groundup.instructions``) or ``peft``.
 from __future__ import annotations
 
 import functools
+import random
 import warnings
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ from groundup.lora import LoRALinear, attach_lora, lora_parameter_count
 from groundup.models import GPT
 
 __all__ = ["check_lora_forward", "check_merge", "check_lora_parameter_count", "check_answer_labels",
-           "lora_shapes", "LORA_TARGETS"]
+           "LORA_TARGETS"]
 
 _LORA_HINT = ("The exercise is to write the adapter yourself with matrix products: groundup.lora and peft are the "
               "book's and the library's own solutions, so calling them proves nothing.")
@@ -58,7 +59,7 @@ def _lora_solutions() -> tuple:
 def _cases(g: torch.Generator) -> list[dict]:
     """Random layers and adapters: (batch shape, d_in, d_out, r, alpha), in float64."""
     cases = []
-    for lead, d_in, d_out, r, alpha in (((3,), 6, 4, 2, 4.0), ((2, 5), 8, 8, 1, 1.0), ((4,), 5, 7, 3, 16.0),
+    for lead, d_in, d_out, r, alpha in (((3,), 6, 4, 2, 5.0), ((2, 5), 8, 8, 1, 1.0), ((4,), 5, 7, 3, 16.0),
                                         ((1, 3), 12, 6, 4, 8.0)):
         cases.append({"x": torch.randn(*lead, d_in, generator=g, dtype=torch.float64),
                       "W": torch.randn(d_out, d_in, generator=g, dtype=torch.float64),
@@ -72,9 +73,13 @@ def _cases(g: torch.Generator) -> list[dict]:
 def _forward_hints(case: dict) -> dict[str, torch.Tensor]:
     """The plausible wrong forward passes of ``case``, each keyed by the hint that names the mistake."""
     x, W, b, A, B, alpha = (case[k] for k in ("x", "W", "b", "A", "B", "alpha"))
-    r = A.shape[0]
+    r, d_out, d_in = A.shape[0], W.shape[0], W.shape[1]
     base, low = x @ W.T + b, x @ A.T @ B.T
-    wrong = {"Scale the update by alpha / r: you left the scale out.": base + low,
+    wrong = {"The scale divides alpha by the rank r = A.shape[0], not by d_out = W.shape[0].":
+             base + (alpha / d_out) * low,
+             "The scale divides alpha by the rank r = A.shape[0], not by d_in = W.shape[1].":
+             base + (alpha / d_in) * low,
+             "Scale the update by alpha / r: you left the scale out.": base + low,
              "The scale is alpha / r, not alpha.": base + alpha * low,
              "The scale is alpha / r, not r / alpha.": base + (r / alpha) * low,
              "Add the layer's bias b: the frozen layer computes x W^T + b.": x @ W.T + (alpha / r) * low,
@@ -140,7 +145,11 @@ def check_merge(fn: Callable) -> Verdict:
             r = A.shape[0]
             expected = W + (alpha / r) * (B @ A)
             adapted = x @ W.T + b + (alpha / r) * ((x @ A.T) @ B.T)
-            wrong = {"Scale the update by alpha / r: you left the scale out.": W + B @ A,
+            wrong = {"The scale divides alpha by the rank r = A.shape[0], not by d_out = W.shape[0].":
+                     W + (alpha / W.shape[0]) * (B @ A),
+                     "The scale divides alpha by the rank r = A.shape[0], not by d_in = W.shape[1].":
+                     W + (alpha / W.shape[1]) * (B @ A),
+                     "Scale the update by alpha / r: you left the scale out.": W + B @ A,
                      "The scale is alpha / r, not alpha.": W + alpha * (B @ A),
                      "The scale is alpha / r, not r / alpha.": W + (r / alpha) * (B @ A),
                      "Return the merged weight W + (alpha / r) B A, not the update alone.": (alpha / r) * (B @ A),
@@ -170,7 +179,7 @@ LORA_TARGETS = ("W_q", "W_k", "W_v", "W_o", "W_gate", "W_in", "W_out")
 """The projections of a LLaMA-style block that an adapter can sit on (groundup's names)."""
 
 
-def lora_shapes(d_model: int, n_heads: int, n_kv_heads: int, d_ff: int) -> dict[str, tuple[int, int]]:
+def _lora_shapes(d_model: int, n_heads: int, n_kv_heads: int, d_ff: int) -> dict[str, tuple[int, int]]:
     """``(out_features, in_features)`` of each projection of a LLaMA-style block (grouped-query attention: W_K and
     W_V have ``n_kv_heads * d_model / n_heads`` rows; a SwiGLU feed-forward: W_gate, W_in, W_out)."""
     d_kv = d_model // n_heads * n_kv_heads
@@ -182,45 +191,103 @@ _COUNT_HINT = ("The exercise is to count with the formula r (d_in + d_out) per a
                "adapters or a model.")
 
 
+@functools.cache
+def _count_builders() -> tuple:
+    """What a count must not call: the package's count, adapters and GPT, the checker's own shapes, and, where they
+    are installed, transformers' LLaMA model and blocks and peft's LoRA model and layers (imported here, not when the
+    reader's function runs, so that a function importing them itself is caught too)."""
+    forbid = [lora_parameter_count, attach_lora, _lora_shapes,
+              Forbidden(LoRALinear, "__init__", label="groundup.lora.LoRALinear", hint=_COUNT_HINT),
+              Forbidden(GPT, "__init__", label="groundup.models.GPT", hint=_COUNT_HINT)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from transformers.models.llama import modeling_llama
+        forbid += [Forbidden(modeling_llama.LlamaModel, "__init__", label="transformers.LlamaModel", hint=_COUNT_HINT),
+                   Forbidden(modeling_llama.LlamaDecoderLayer, "__init__", label="transformers.LlamaDecoderLayer",
+                             hint=_COUNT_HINT)]
+    except Exception:  # noqa: BLE001 -- without a working transformers there is nothing of it to call
+        pass
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from peft.tuners.lora import layer as peft_layer
+            from peft.tuners.tuners_utils import BaseTuner
+        forbid += [Forbidden(BaseTuner, "__init__", label="peft's LoRA model (get_peft_model)", hint=_COUNT_HINT),
+                   Forbidden(peft_layer.LoraLayer, "update_layer", label="peft's LoRA layer", hint=_COUNT_HINT)]
+    except Exception:  # noqa: BLE001 -- without a working peft there is nothing of it to call
+        pass
+    return tuple(forbid)
+
+
+SMOLLM2_SHAPE = (30, 576, 9, 3, 1536)
+"""SmolLM2-135M's (n_layers, d_model, n_heads, n_kv_heads, d_ff)."""
+
+
+def _count_cases() -> list[tuple[tuple[int, ...], int, tuple[str, ...]]]:
+    """SmolLM2's adapters (the exercise states their count) and five LLaMA-style shapes, ranks and target sets drawn
+    afresh on every call, so that a table of remembered answers fails; the second always has grouped-query
+    attention with W_K or W_V adapted."""
+    rng = random.SystemRandom()
+    cases = [(SMOLLM2_SHAPE, 8, ("W_q", "W_v"))]
+    for k in range(5):
+        n_heads = rng.choice((4, 6, 8, 12, 16, 32))
+        n_kv = rng.choice([d for d in range(1, n_heads) if n_heads % d == 0] if k == 1 else
+                          [d for d in range(1, n_heads + 1) if n_heads % d == 0])
+        d_model = n_heads * rng.choice((8, 16, 32, 64, 128))
+        d_ff = rng.choice((2, 3, 4)) * d_model + rng.choice((0, 16, 64))
+        targets = tuple(t for t in LORA_TARGETS if rng.random() < 0.5) or (rng.choice(LORA_TARGETS),)
+        if k == 1 and not {"W_k", "W_v"} & set(targets):
+            targets = (*targets, rng.choice(("W_k", "W_v")))
+        cases.append(((rng.randint(1, 40), d_model, n_heads, n_kv, d_ff), rng.choice((1, 2, 4, 8, 16, 32, 64)),
+                      tuple(t for t in LORA_TARGETS if t in targets)))
+    return cases
+
+
+def _count_hints(shape: tuple[int, ...], r: int, targets: tuple[str, ...], expected: int) -> dict[int, str]:
+    """Wrong counts keyed to the mistake that gives them (none of them equal to the right count)."""
+    n_layers, d_model, n_heads, n_kv, d_ff = shape
+    shapes = _lora_shapes(d_model, n_heads, n_kv, d_ff)
+    no_gqa = n_layers * sum(r * 2 * d_model if t in ("W_q", "W_k", "W_v", "W_o") else r * sum(shapes[t])
+                            for t in targets)
+    hints = {n_layers * sum(shapes[t][0] * shapes[t][1] for t in targets):
+             "That is the number of weights of the adapted matrices (d_out * d_in each), not of their adapters.",
+             expected // n_layers: "Every one of the n_layers blocks gets its own adapters.",
+             n_layers * sum(r * shapes[t][1] for t in targets): "Count both factors of each adapter, A and B.",
+             n_layers * sum(r * r for _ in targets): "A and B are not r x r: each has one side of length r.",
+             no_gqa: "With grouped-query attention W_K and W_V have fewer rows than d_model: n_kv_heads heads of "
+                     "d_model / n_heads numbers each."}
+    if len(targets) > 1:
+        for t in targets:
+            hints.setdefault(expected - n_layers * r * sum(shapes[t]),
+                             f"Count every projection named in targets: your count leaves out {t}.")
+    hints.pop(expected, None)
+    return hints
+
+
 def check_lora_parameter_count(fn: Callable) -> Verdict:
     """Exercise 13.3: ``fn(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets) -> int``, the trainable
     numbers of rank-``r`` adapters on the ``targets`` projections (names from :data:`LORA_TARGETS`) of every one of
-    ``n_layers`` LLaMA-style blocks. Calling the package's count, attaching adapters or building a GPT is refused."""
-    forbid = (lora_parameter_count, attach_lora,
-              Forbidden(LoRALinear, "__init__", label="groundup.lora.LoRALinear", hint=_COUNT_HINT),
-              Forbidden(GPT, "__init__", label="groundup.models.GPT", hint=_COUNT_HINT))
+    ``n_layers`` LLaMA-style blocks. Calling the package's count, attaching adapters or building a model (the
+    package's GPT, transformers' LLaMA, peft's LoRA model) is refused; the cases after SmolLM2's are new each call."""
+    forbid = _count_builders()
 
     def checks():
-        smol, llama7, tiny = (30, 576, 9, 3, 1536), (32, 4096, 32, 32, 11008), (2, 16, 4, 2, 24)
-        cases = [(smol, 8, ("W_q", "W_v")), (smol, 1, ("W_q", "W_v")), (smol, 16, ("W_q", "W_k", "W_v", "W_o")),
-                 (llama7, 8, ("W_q", "W_v")), (llama7, 64, LORA_TARGETS), (tiny, 2, ("W_k", "W_out")),
-                 (tiny, 3, ("W_gate",))]
-        for shape, r, targets in cases:
+        for shape, r, targets in _count_cases():
             n_layers, d_model, n_heads, n_kv, d_ff = shape
-            shapes = lora_shapes(d_model, n_heads, n_kv, d_ff)
+            shapes = _lora_shapes(d_model, n_heads, n_kv, d_ff)
             expected = n_layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets)
+            hints = _count_hints(shape, r, targets, expected)
             call = f"my_lora_parameter_count({n_layers}, {d_model}, {n_heads}, {n_kv}, {d_ff}, r={r}, {targets})"
             got = expect_integer(call_reader(fn, n_layers, d_model, n_heads, n_kv, d_ff, r, targets, call=call,
                                              forbid=forbid), call)
-            full = n_layers * sum(shapes[t][0] * shapes[t][1] for t in targets)
-            no_gqa = n_layers * sum(r * 2 * (d_model if t in ("W_k", "W_v") else shapes[t][0])
-                                    if t in ("W_q", "W_k", "W_v", "W_o") else r * sum(shapes[t]) for t in targets)
-            hints = {full: "That is the number of weights of the adapted matrices (d_out * d_in each); an adapter "
-                           "has r (d_in + d_out): A is r x d_in, B is d_out x r.",
-                     expected // n_layers: "Every one of the n_layers blocks gets its own adapters.",
-                     n_layers * sum(r * shapes[t][1] for t in targets): "Count both factors: A (r x d_in) and "
-                                                                        "B (d_out x r).",
-                     n_layers * sum(r * r for _ in targets): "A is r x d_in and B is d_out x r, not r x r.",
-                     no_gqa: f"With grouped-query attention W_K and W_V have n_kv_heads * d_model / n_heads = "
-                             f"{shapes['W_k'][0]} rows, not d_model."}
-            hints.pop(expected, None)
-            expect(got == expected, f"{call} = {got:,}, expected {expected:,}",
-                   hints.get(got, "Per adapted matrix of shape (d_out, d_in): r (d_in + d_out); W_K and W_V are "
-                                  "(n_kv_heads * d_head, d_model), W_gate and W_in (d_ff, d_model), W_out "
-                                  "(d_model, d_ff); times n_layers."))
+            fallback = (f"Your count is {got / expected:.3g} times the right one. Write down the shape (d_out, d_in) "
+                        "of each matrix named in targets (grouped-query attention and d_ff matter), then apply "
+                        "(13.3) to each, in every block.") if expected else ""
+            expect(got == expected, f"{call} = {got:,}, expected {expected:,}", hints.get(got, fallback))
 
     return run_checks("Exercise 13.3 (LoRA's trainable parameters)", checks,
-                      "Right for SmolLM2 (460,800 at r = 8 on W_q and W_v), LLaMA 2 7B and two toys.")
+                      "Right for SmolLM2 (460,800 at r = 8 on W_q and W_v) and five shapes drawn at random.")
 
 
 # ---- Exercise 13.4 -----------------------------------------------------------------------------------------
@@ -228,7 +295,7 @@ def check_lora_parameter_count(fn: Callable) -> Verdict:
 IGNORE_INDEX = -100
 
 
-def _labels(ids: torch.Tensor, prompt_length: int) -> torch.Tensor:
+def _answer_labels(ids: torch.Tensor, prompt_length: int) -> torch.Tensor:
     labels = torch.full_like(ids, IGNORE_INDEX)
     labels[prompt_length - 1:-1] = ids[prompt_length:]
     return labels
@@ -241,11 +308,11 @@ def check_answer_labels(fn: Callable) -> Verdict:
     ``groundup.instructions.encode_instructions`` is refused."""
 
     def checks():
-        g = torch.Generator().manual_seed(134)
+        g = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))  # new ids every call
         cases = [(torch.tensor([5, 6, 7, 8, 9, 10]), 3), (torch.tensor([1, 2, 3]), 2), (torch.tensor([4, 4, 9]), 1)]
         cases += [(torch.randint(0, 1000, (n,), generator=g), p) for n, p in ((40, 31), (76, 66), (12, 1))]
         for ids, p in cases:
-            expected = _labels(ids, p)
+            expected = _answer_labels(ids, p)
             n = len(ids)
             wrong = {
                 "Position i predicts token i + 1, so the labels are the ids shifted left by one (the targets of "
@@ -254,6 +321,9 @@ def check_answer_labels(fn: Callable) -> Verdict:
                 "The last prompt position (index prompt_length - 1) predicts the answer's first token: keep its "
                 "target. Only targets that are prompt tokens are masked.": torch.where(
                     torch.arange(n) >= p, expected, torch.full_like(ids, IGNORE_INDEX)),
+                "The end token <|im_end|> belongs to the answer: the position before it (index len(ids) - 2) "
+                "must be trained to predict it, or the model never learns to stop.": torch.cat(
+                    [expected[:-2], torch.tensor([IGNORE_INDEX, IGNORE_INDEX])]),
                 "The last position has no next token: its label is -100.": torch.cat(
                     [expected[:-1], ids[-1:]]),
                 "Mask the prompt's targets with -100 (the index the loss ignores): here the prompt is trained "
@@ -261,7 +331,7 @@ def check_answer_labels(fn: Callable) -> Verdict:
             }
             call = f"my_answer_labels(ids, prompt_length={p}) with {n} ids"
             got = expect_tensor(call_reader(fn, ids, p, call=call, names=("ids", "prompt_length"),
-                                            forbid=(encode_instructions,)), call)
+                                            forbid=(encode_instructions, _answer_labels)), call)
             expect(not got.is_floating_point() and got.dtype != torch.bool,
                    f"{call} returned a tensor of dtype {got.dtype}", "Labels are token ids: an int64 tensor.")
             expect(tuple(got.shape) == (n,), f"{call} returned shape {tuple(got.shape)}, expected ({n},)",
@@ -272,7 +342,8 @@ def check_answer_labels(fn: Callable) -> Verdict:
                         raise Mismatch(f"{call}: wrong labels", hint)
                 first = int((got.long() != expected).nonzero()[0])
                 raise Mismatch(f"{call}: label {first} is {int(got[first])}, expected {int(expected[first])}",
-                               "labels[i] = ids[i + 1] for prompt_length - 1 <= i < len(ids) - 1, else -100.")
+                               "Go through the positions one by one: which of them predict a token of the answer "
+                               "(its <|im_end|> included), and which token does each predict?")
 
     return run_checks("Exercise 13.4 (labels masked to the answer)", checks,
                       "Your labels train exactly the answer's tokens, as groundup.instructions does.")
