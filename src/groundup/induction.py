@@ -14,14 +14,14 @@ lands on. :mod:`groundup.interpretability` has the scores, ablations and patchin
   batches for :func:`groundup.training.train` (``batches=``);
 * :func:`hand_built_induction_model` -- a two-layer model whose weights are set by hand to do induction.
 
-A recipe measured on one CPU thread (45 s): ``AttentionOnlyConfig(vocab_size=64, context_length=32, d_model=64,
+A recipe measured on one CPU thread: ``AttentionOnlyConfig(vocab_size=64, context_length=32, d_model=64,
 n_heads=4, positional="rope", tie_weights=False)``, ``train(model, 64, 64, TrainConfig(batch_size=32,
 max_steps=2000, learning_rate=3e-3, warmup_steps=20, weight_decay=0.0, eval_batches=4), batches=induction_batches)``
-(seeds 0, 1, 2; 45-55 s each): the in-context loss on ``repeated_random_tokens(64, 16, 64)`` sits near 3 for
-700-800 steps, then falls within 100-200 steps (seed 0: 2.95 at step 700, 1.96 at 900, 0.37 at 1000; seed 1: 2.80
-at 700, 0.68 at 800; seed 2: 3.16 at 700, 0.84 at 800) and ends at 0.06-0.10. Each run then has one layer-1 head
-with previous-token score 0.91-0.97 and layer-2 heads with induction scores 0.74-0.88. With learned absolute
-positions (the same steps, learning rates 1e-3
+(seeds 0, 1, 2; 54-83 s each): the in-context loss on a fixed batch of ``repeated_random_tokens(256, 16, 64)``
+sits near 3 until step 675-850, then falls within 175 steps (the runs stored by ``tools/ch14_results.py`` in
+``groundup/results/chapter14.json``, windows by that tool's stated rule: seed 0 850-1025, seed 1 675-850, seed 2
+700-875) and ends at 0.07-0.08. Each run then has one layer-1 head with previous-token score 0.91-0.97 and layer-2
+heads with induction scores 0.75-0.89. With learned absolute positions (the same steps, learning rates 1e-3
 and 3e-3) no induction head formed; on fixed-length repeats a one-layer positional shortcut forms instead (see
 :func:`random_repeats`).
 """
