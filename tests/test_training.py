@@ -595,6 +595,34 @@ def test_chapter7_model_is_reused_only_with_the_cpu_kernels_it_was_trained_with(
     assert retrained == [1]
 
 
+def test_chapter7_models_of_two_arithmetics_live_side_by_side(tmp_path, monkeypatch):
+    # The checked notebook runs (MKL_CBWR=COMPATIBLE, plain kernels) and a run on the machine's fastest kernels each
+    # keep their own file: switching between them used to overwrite the other's model and retrain it (5-10 min).
+    from groundup.tokenizers import CharTokenizer
+
+    tokenizer = CharTokenizer.from_text("abcdefgh")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **training.CHAPTER7_MODEL))
+    retrained = []
+    monkeypatch.setattr(training, "train_chapter7_model", lambda **kw: retrained.append(1) or (model, tokenizer, None))
+    paths = {}
+    for mkl, kernels in ((None, "AVX512"), ("COMPATIBLE", "DEFAULT")):
+        if mkl:
+            monkeypatch.setenv("MKL_CBWR", mkl)
+        else:
+            monkeypatch.delenv("MKL_CBWR", raising=False)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda k=kernels: k)
+        with training.threads(1):
+            paths[kernels] = training.save_chapter7_model(model, tokenizer, training.History(), cache_dir=tmp_path)
+    assert paths["DEFAULT"].name == "chapter07-compatible-default.pt"
+    assert paths["AVX512"].name == "chapter07-auto-avx512.pt"
+    assert all(p.is_file() for p in paths.values())
+    monkeypatch.delenv("MKL_CBWR")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    training.chapter7_model(cache_dir=tmp_path)
+    assert retrained == [], "the other arithmetic's save left this one's model in place"
+
+
 def test_a_chapter7_model_trained_by_chapter7_model_is_reused_by_the_next_call(tmp_path, monkeypatch):
     # It was saved after train's one-thread block had ended, so it recorded the machine's thread count and every
     # later call (chapters 8, 9, 12) trained it again; and it went to the default cache, not cache_dir.

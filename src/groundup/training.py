@@ -914,11 +914,23 @@ CHAPTER7_TRAINING = dict(batch_size=12, max_steps=2000, learning_rate=3e-3, warm
 """How chapter 7 trains it: 2000 steps, about five to ten minutes on one CPU thread."""
 
 
+def _arithmetic() -> dict:
+    """The settings in force that decide the last bits of chapter 7's training: MKL's code path and PyTorch's CPU
+    kernels (``ATEN_CPU_CAPABILITY`` can lower them)."""
+    return {"mkl_cbwr": os.environ.get("MKL_CBWR"), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def chapter7_path(cache_dir=None) -> Path:
-    """Where :func:`chapter7_model` keeps the trained chapter 7 model (the corpus cache folder, ``models/``)."""
+    """Where :func:`chapter7_model` keeps the chapter 7 model trained under the arithmetic in force (the corpus
+    cache folder, ``models/``; e.g. ``chapter07-compatible-default.pt`` under the checked notebook runs' settings).
+
+    One file per arithmetic, so that the checked notebook runs and runs on the machine's fastest kernels do not
+    overwrite each other's model and retrain it at every switch."""
     from groundup.data import corpus_cache_dir
 
-    return corpus_cache_dir(cache_dir) / "models" / "chapter07.pt"
+    settings = _arithmetic()
+    tag = f"{settings['mkl_cbwr'] or 'auto'}-{settings['cpu_capability']}".lower()
+    return corpus_cache_dir(cache_dir) / "models" / f"chapter07-{re.sub(r'[^a-z0-9_.-]+', '_', tag)}.pt"
 
 
 def train_chapter7_model(*, progress: bool = False, cache_dir=None):
@@ -957,9 +969,7 @@ def save_chapter7_model(model: GPT, tokenizer, history: History, *, cache_dir=No
     path = chapter7_path(cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_checkpoint(path, model, history=history, train_config=TrainConfig(**CHAPTER7_TRAINING),
-                    extra={"chars": list(tokenizer.chars), "threads": torch.get_num_threads(),
-                           "mkl_cbwr": os.environ.get("MKL_CBWR"),
-                           "cpu_capability": torch.backends.cpu.get_cpu_capability()})
+                    extra={"chars": list(tokenizer.chars), "threads": torch.get_num_threads(), **_arithmetic()})
     return path
 
 
@@ -980,10 +990,8 @@ def chapter7_model(*, cache_dir=None, progress: bool = False):
             expected = dataclasses.asdict(TrainConfig(**CHAPTER7_TRAINING))
             shape = {k: ckpt["model_config"][k] for k in CHAPTER7_MODEL}
             one_thread = ckpt["extra"].get("threads") == 1  # trained as chapter 7 trains it: the same weights anywhere
-            same_mkl = ckpt["extra"].get("mkl_cbwr") == os.environ.get("MKL_CBWR")  # ... with MKL's same code path
-            same_kernels = ckpt["extra"].get("cpu_capability") == torch.backends.cpu.get_cpu_capability()
-            if ckpt["train_config"] == expected and shape == CHAPTER7_MODEL and one_thread and same_mkl \
-                    and same_kernels:
+            same_arithmetic = all(ckpt["extra"].get(k) == v for k, v in _arithmetic().items())  # MKL path, kernels
+            if ckpt["train_config"] == expected and shape == CHAPTER7_MODEL and one_thread and same_arithmetic:
                 return model.eval(), CharTokenizer(ckpt["extra"]["chars"])
         except (ValueError, KeyError, TypeError):
             pass  # a stale or damaged file: train afresh
