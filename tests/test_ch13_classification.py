@@ -1,4 +1,5 @@
-"""tools/ch13_classification.py (chapter 13's which-play classifiers) and the entries it stored in chapter13.json.
+"""tools/ch13_classification.py (chapter 13's which-play and word-order classifiers) and the entries it stored in
+chapter13.json.
 
 A tiny GPT stands in for chapter 7's model in the live run; the stored entries are checked against their commands,
 the tool's settings and each other (the summary, the baselines, the low-rank spectra)."""
@@ -13,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from groundup.classification import DEFAULT_PLAYS, majority_accuracy, play_passages
+from groundup.classification import (
+    DEFAULT_PLAYS,
+    PROBE_L2,
+    balanced_subset,
+    majority_accuracy,
+    play_passages,
+    word_order_task,
+)
 from groundup.data import load_corpus, train_val_split
 from groundup.models import GPT, GPTConfig
 from groundup.tokenizers import CharTokenizer
@@ -27,6 +35,8 @@ STORED_PATH = resources.files("groundup").joinpath("results/chapter13.json")
 ALL = json.loads(STORED_PATH.read_text())["runs"] if STORED_PATH.is_file() else {}
 RUNS = {k: v for k, v in ALL.items() if "tools/ch13_classification.py" in v["command"]}
 FITS = {k: v for k, v in RUNS.items() if k.startswith(("classification/", "lora_rank/")) and "method" in v}
+WORD_ORDER = {k: v for k, v in RUNS.items() if k.startswith("word-order/") and "method" in v}
+WORD_ORDER_BASELINES = {k: v for k, v in RUNS.items() if k.startswith("word-order/baselines/")}
 
 
 @pytest.fixture
@@ -141,3 +151,117 @@ def test_stored_update_spectra_are_normalised_and_cumulative():
             energy = [m["energy_top_r"][str(r)] for r in tool.ENERGY_RANKS]
             assert all(0 < a <= b <= 1 for a, b in zip(energy, energy[1:]))
             assert energy[0] <= (1 + 1e-4) / sum(v * v for v in sv)  # the top 32 hold at most all of ||dW||^2
+
+
+# ---- the word-order task -----------------------------------------------------------------------------------------
+
+def test_word_order_fine_tunes_train_on_one_balanced_subset(tiny):
+    body, reference, lm_loss = tiny
+    train = word_order_task(play_passages(DEFAULT_PLAYS, **tool.TASK)[0])
+    rows = balanced_subset(train.labels, 32, seed=tool.SUBSET_SEED)
+    full, low = tool.run_classifier("gpt", "full", 1, task_name="word-order", n_train=32, steps=4)
+    c = full["config"]
+    assert (c["task"], c["n_train"], c["n_available"], c["n_test"], c["train_counts"]) == (
+        "word-order", 32, 4733, 1795, [16, 16])
+    assert c["steps"] == 4 and full["curve"]["step"] == [1, 2, 3, 4] and c["batch_size"] == 4
+    assert full["curve"]["train_loss"][0] == pytest.approx(0.693147, abs=1e-4)  # two classes, head at zero
+    assert full["train_accuracy_passages"] == min(tool.TRAIN_SUBSET, 32) == 16 and low is not None
+    assert full["lm_loss"]["after"] == tool.sig(lm_loss(body)) != full["lm_loss"]["before"]
+    assert [train.labels[r] for r in rows].count(1) == 16
+
+
+def test_word_order_probe_is_fitted_to_convergence_with_l2_from_held_out_scenes(tiny):
+    body, reference, _ = tiny
+    probe, low = tool.run_classifier("gpt", "probe", 2, task_name="word-order", n_train=64)
+    c = probe["config"]
+    assert low is None and probe["curve"] is None and "lr" not in c and "steps" not in c
+    assert c["probe"]["l2"] in PROBE_L2 and c["probe"]["l2_grid"] == list(PROBE_L2) and c["probe"]["folds"] == 4
+    losses = c["probe"]["held_out_loss"]
+    assert losses[c["probe"]["l2_grid"].index(c["probe"]["l2"])] == min(losses)
+    assert probe["lm_loss"]["after"] == probe["lm_loss"]["before"]
+    assert all(torch.equal(reference[k], v) for k, v in body.state_dict().items())
+    assert probe["trainable_params"] == 16 * 2 + 2 and 0.0 <= probe["test_accuracy"] <= 1.0
+
+
+def test_word_order_baselines_on_a_subset(tiny):
+    entry = tool.run_word_order_baselines(32)
+    t = entry["task"]
+    assert (t["n_train"], t["n_test"], t["train_counts"], t["test_counts"]) == (32, 1795, [16, 16], [898, 897])
+    assert entry["majority_accuracy"] == tool.sig(898 / 1795)  # a tie in training: the first class, real
+    assert 0.0 <= entry["ngram_accuracy"] <= 1.0 and 0.0 <= entry["lm_score_accuracy"] <= 1.0
+    assert set(entry["lm_score"]["mean_score"]["test"]) == {"real", "shuffled"}
+
+
+def test_word_order_commands_store_their_entries_and_summary(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(tool, "OUT", tmp_path / "chapter13.json")
+    tool.main(["--task", "word-order", "--method", "probe", "--method", "lora", "--seed", "0", "--n-train", "16",
+               "--steps", "2"])
+    runs = json.loads((tmp_path / "chapter13.json").read_text())["runs"]
+    assert set(runs) == {"word-order/gpt/probe/n16/seed0", "word-order/gpt/lora/n16/seed0", "word-order/summary"}
+    assert runs["word-order/gpt/lora/n16/seed0"]["command"] == tool.command(
+        "--task word-order --n-train 16 --steps 2 --body gpt --method lora --seed 0")
+    summary = runs["word-order/summary"]
+    assert summary["gpt/lora/n16"]["test_accuracy"] == [runs["word-order/gpt/lora/n16/seed0"]["test_accuracy"]]
+    assert summary["gpt/lora/n16"]["std"] is None and summary["baselines"] == {}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--n-train", "128"], "--n-train and --steps are for --task word-order"),
+    (["--task", "word-order", "--n-train", "127"], "--n-train 127: n must be a positive multiple"),
+    (["--task", "word-order", "--n-train", "8000"], "--n-train 8000: n=8000 needs 4000"),
+    (["--task", "word-order", "--steps", "0"], "--steps must be a positive integer"),
+    (["--task", "word-order", "--entry", "rank"], "--entry rank is for --task play")])
+def test_bad_word_order_arguments_name_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        tool.main(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", sorted(WORD_ORDER))
+def test_stored_word_order_fine_tune_matches_its_command_and_settings(key):
+    entry = RUNS[key]
+    words = shlex.split(entry["command"])
+    assert words[:3] == shlex.split(tool.ENV) and words[3:5] == ["python", "tools/ch13_classification.py"]
+    arg = {w: words[i + 1] for i, w in enumerate(words) if w.startswith("--")}
+    method, seed, c = entry["method"], int(arg["--seed"]), entry["config"]
+    n = int(arg.get("--n-train", 4733))
+    assert arg["--task"] == "word-order" and key == f"word-order/{arg['--body']}/{arg['--method']}/n{n}/seed{seed}"
+    assert (entry["body"], method, entry["seed"]) == (arg["--body"], arg["--method"], seed)
+    assert (c["task"], c["n_train"], c["n_available"], c["n_test"], c["train_counts"]) == (
+        "word-order", n, 4733, 1795, [n // 2, n // 2] if n < 4733 else [2367, 2366])
+    assert c["subset_seed"] == tool.SUBSET_SEED and c["shuffle_seed"] == tool.WORD_ORDER_SEED
+    if method == "probe":
+        assert entry["curve"] is None and c["probe"]["l2"] in c["probe"]["l2_grid"] == tool.PROBE["l2_grid"]
+        losses = c["probe"]["held_out_loss"]
+        assert losses[c["probe"]["l2_grid"].index(c["probe"]["l2"])] == min(losses)
+        assert entry["lm_loss"]["after"] == entry["lm_loss"]["before"]
+    else:
+        assert c["steps"] == int(arg.get("--steps", tool.FINETUNE["steps"])) == entry["curve"]["step"][-1]
+        assert c["lr"] == tool.LR[method] and c["lora"] == (tool.LORA if method == "lora" else None)
+    assert entry["threads"] == 1 and entry["environment"] == {
+        "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}
+    assert 0.0 <= entry["test_accuracy"] <= 1.0 and (entry["lm_loss"] is None) == (method == "scratch")
+    if method == "lora":
+        assert entry["lm_loss"]["after_merged"] == pytest.approx(entry["lm_loss"]["after"], rel=1e-3)
+
+
+def test_stored_word_order_summary_is_the_mean_and_spread_of_the_stored_seeds():
+    if "word-order/summary" not in RUNS:
+        pytest.skip("no word-order runs stored yet")
+    stored = RUNS["word-order/summary"]
+    assert tool.word_order_summary(ALL) == {k: v for k, v in stored.items() if k != "command"}
+    for name, s in stored.items():
+        if name != "baselines" and len(s["test_accuracy"]) > 1:
+            assert s["std"] == pytest.approx(statistics.stdev(s["test_accuracy"]), rel=1e-4)
+
+
+@pytest.mark.parametrize("key", sorted(WORD_ORDER_BASELINES))
+def test_stored_word_order_baselines_are_those_of_the_task(key):
+    entry = RUNS[key]
+    train, test = (word_order_task(p) for p in play_passages(DEFAULT_PLAYS, **tool.TASK))
+    n = entry["task"]["n_train"]
+    assert key == f"word-order/baselines/n{n}" and entry["task"]["test_counts"] == test.counts() == [898, 897]
+    subset = train if n == len(train) else train.select(balanced_subset(train.labels, n, seed=tool.SUBSET_SEED))
+    assert entry["task"]["train_counts"] == subset.counts()
+    assert entry["majority_accuracy"] == tool.sig(majority_accuracy(subset, test))
+    assert 0.0 <= entry["ngram_accuracy"] <= 1.0 and 0.0 <= entry["lm_score_accuracy"] <= 1.0

@@ -5,6 +5,10 @@
     env $E python tools/ch13_classification.py --body gpt --method full --seed 0 # one fine-tune (2-3 minutes)
     env $E python tools/ch13_classification.py --entry rank --rank 4             # LoRA of rank 4 on the GPT
     env $E python tools/ch13_classification.py --entry all                       # everything (about 40 minutes)
+    W="--task word-order"                                                         # real or word-shuffled?
+    env $E python tools/ch13_classification.py $W --entry baselines --n-train 128  # majority, n-gram, LM score
+    env $E python tools/ch13_classification.py $W --method full --seed 0 --n-train 128 --steps 60
+    env $E python tools/ch13_classification.py $W --entry all                    # WORD_ORDER_PLAN, in order
 
 The arithmetic settings are those chapter 7's stored model was trained under (``chapter7_model()`` trains it afresh
 under any other). The task is :func:`groundup.classification.play_passages` with ``TASK``: 64-character passages
@@ -25,11 +29,21 @@ adapters on W_q, W_k, W_v, W_o), each trained by :func:`groundup.classification.
 the method's learning rate ``LR``. Every entry stores its command, configuration, test accuracy and loss, the
 training curve, and the body's language-model loss on held-out text before and after (catastrophic forgetting).
 The ``gpt/full/seed0`` run also stores the singular values of its weight update (``lowrank/gpt/full/seed0``).
+
+``--task word-order`` (keys ``word-order/...``): the same passages and split, relabelled by
+:func:`groundup.classification.word_order_task` (every second passage has its words shuffled: real or shuffled?).
+``--n-train N`` trains every method on one balanced, seeded subset of N training passages
+(:func:`groundup.classification.balanced_subset`, seed ``SUBSET_SEED``, the same for all methods and seeds);
+``--steps`` sets the fine-tuning steps. There the probe is a logistic regression on the frozen body's states
+fitted to convergence, its l2 chosen on held-out training scenes (:func:`groundup.classification.fit_probe`), and
+the baselines add the "LM score": a logistic regression on one feature, the GPT's mean next-character loss on the
+passage (:func:`groundup.classification.lm_scores`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -45,12 +59,17 @@ from groundup.classification import (
     DEFAULT_PLAYS,
     METHODS,
     accuracy_and_loss,
+    balanced_subset,
     classifier_for,
     encode_passages,
     fine_tune,
+    fit_probe,
+    fit_standardised_logistic_regression,
+    lm_scores,
     majority_accuracy,
     ngram_baseline,
     play_passages,
+    word_order_task,
 )
 from groundup.data import load_corpus, train_val_split
 from groundup.lora import count_parameters, merge_lora
@@ -71,6 +90,12 @@ MLM_EVAL = dict(batch_size=64, max_batches=10)  # the masked LM's: as its traini
 RANKS = (1, 32)
 ENERGY_RANKS = (1, 2, 4, 8, 16)
 TOP_SINGULAR = 32
+TASKS = ("play", "word-order")
+WORD_ORDER_SEED = 0  # word_order_task's shuffle seed
+SUBSET_SEED = 0  # balanced_subset's seed for --n-train: one subset for every method and seed
+PROBE = dict(l2_grid=[1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0], folds=4)  # word-order probe: l2 by held-out scenes
+LM_SCORE_L2 = 1e-3  # the one-feature LM-score baseline's l2 (standardised feature), as the n-gram's
+WORD_ORDER_PLAN = ((128, 60, (0, 1, 2)), (None, 150, (0,)), (None, 150, (1, 2)))  # (n_train, steps, seeds), in order
 
 
 def sig(x: float, digits: int = 5) -> float:
@@ -136,9 +161,28 @@ def load_body(body: str, seed: int):
 
 # ---- one fine-tune -------------------------------------------------------------------------------------------
 
-def task():
+@functools.lru_cache(maxsize=2)
+def task(name: str = "play"):
+    """``(train, test)`` passages of ``TASK``: which play (``"play"``) or real vs word-shuffled (``"word-order"``)."""
     train, test = play_passages(DEFAULT_PLAYS, **TASK)
+    if name == "word-order":
+        return word_order_task(train, seed=WORD_ORDER_SEED), word_order_task(test, seed=WORD_ORDER_SEED)
+    if name != "play":
+        raise ValueError(f"task must be one of {TASKS}, got {name!r}")
     return train, test
+
+
+def training_set(train, n_train: int | None):
+    """All training passages, or the balanced subset of ``n_train`` of them (seed ``SUBSET_SEED``)."""
+    return train if n_train is None else train.select(balanced_subset(train.labels, n_train, seed=SUBSET_SEED))
+
+
+def task_config(name: str, available: int, train) -> dict:
+    """What a word-order entry adds to its config: the task, and which training passages it used."""
+    if name == "play":
+        return {}
+    return {"task": name, "shuffle_seed": WORD_ORDER_SEED, "n_available": available, "subset_seed": SUBSET_SEED,
+            "train_counts": train.counts()}
 
 
 def lowrank_spectra(before: dict, after: dict) -> dict:
@@ -168,24 +212,44 @@ def lowrank_spectra(before: dict, after: dict) -> dict:
     return {"matrices": matrices, "mean_energy_top_r": mean, "random_reference_energy_top_r": reference}
 
 
-def run_classifier(body_name: str, method: str, seed: int, *, rank: int = LORA["r"]) -> tuple[dict, dict | None]:
-    """One fine-tune: its entry, and (for gpt/full) the low-rank analysis of its update."""
+def run_classifier(body_name: str, method: str, seed: int, *, rank: int = LORA["r"], task_name: str = "play",
+                   n_train: int | None = None, steps: int | None = None) -> tuple[dict, dict | None]:
+    """One fine-tune: its entry, and (for gpt/full) the low-rank analysis of its update.
+
+    ``task_name="word-order"``: ``n_train`` passages (all if None), ``steps`` (``FINETUNE``'s if None), and the
+    probe fitted to convergence by :func:`groundup.classification.fit_probe` instead of AdamW steps."""
     start = time.perf_counter()
     body, tokenizer, lm_loss, held_out, pretrain = load_body(body_name, seed)
-    train, test = task()
+    train, test = task(task_name)
+    available = len(train)
+    train = training_set(train, n_train)
+    finetune = {**FINETUNE, "steps": steps or FINETUNE["steps"], "batch_size": min(FINETUNE["batch_size"], len(train))}
     ids, _, labels = encode_passages(train, tokenizer)
     test_ids, _, test_labels = encode_passages(test, tokenizer)
     before = None if method == "scratch" else lm_loss(body)
     weights = {k: v.clone() for k, v in body.state_dict().items()}
     head = classifier_for(body, len(train.classes), method, seed=seed, lora_rank=rank, lora_alpha=LORA["alpha"],
                           lora_targets=LORA["targets"], pooling="mean" if body_name == "gpt-mean" else None)
-    config = {**FINETUNE, "lr": LR[method], "optimizer": "AdamW", "passage_chars": TASK["passage_chars"],
+    config = {**finetune, "lr": LR[method], "optimizer": "AdamW", "passage_chars": TASK["passage_chars"],
               "n_train": len(train), "n_test": len(test), "pooling": head.pooling,
               "lora": {**LORA, "r": rank} if method == "lora" else None,
               "body_source": "chapter7_model()" if body_name.startswith("gpt") else
-              f"tools/ch09_results.py's MaskedLM, {pretrain['variant']}, {MLM_STEPS} steps, seed {seed}"}
-    history = fine_tune(head, ids, labels, steps=FINETUNE["steps"], batch_size=FINETUNE["batch_size"],
-                        lr=LR[method], warmup=FINETUNE["warmup"], weight_decay=FINETUNE["weight_decay"], seed=seed)
+              f"tools/ch09_results.py's MaskedLM, {pretrain['variant']}, {MLM_STEPS} steps, seed {seed}",
+              **task_config(task_name, available, train)}
+    if task_name == "word-order" and method == "probe":
+        t0 = time.perf_counter()
+        probe = fit_probe(head, ids, labels, train.sections, seed=seed, **PROBE)
+        config = {k: v for k, v in config.items() if k not in (*FINETUNE, "lr")}
+        config.update(optimizer="L-BFGS to convergence (fit_probe), standardised features",
+                      probe={**probe, "held_out_loss": [sig(v) for v in probe["held_out_loss"]],
+                             "held_out_accuracy": [sig(v) for v in probe["held_out_accuracy"]]})
+        curve, train_seconds = None, round(time.perf_counter() - t0, 1)
+    else:
+        history = fine_tune(head, ids, labels, steps=finetune["steps"], batch_size=finetune["batch_size"],
+                            lr=LR[method], warmup=finetune["warmup"], weight_decay=finetune["weight_decay"],
+                            seed=seed)
+        curve = {"step": history.step, "train_loss": [sig(v) for v in history.train_loss]}
+        train_seconds = round(history.seconds, 1)
     accuracy, loss = accuracy_and_loss(head, test_ids, test_labels)
     subset = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))[:TRAIN_SUBSET]
     train_accuracy, _ = accuracy_and_loss(head, ids[subset], labels[subset])
@@ -198,14 +262,38 @@ def run_classifier(body_name: str, method: str, seed: int, *, rank: int = LORA["
     entry = {"body": body_name, "method": method, "seed": seed, "config": config, "pretrain": pretrain,
              "trainable_params": count_parameters(head, trainable_only=True), "total_params": count_parameters(head),
              "test_accuracy": sig(accuracy), "test_loss": sig(loss),
-             "train_accuracy": sig(train_accuracy), "train_accuracy_passages": TRAIN_SUBSET,
-             "curve": {"step": history.step, "train_loss": [sig(v) for v in history.train_loss]},
-             "lm_loss": lm, "train_seconds": round(history.seconds, 1)}
+             "train_accuracy": sig(train_accuracy), "train_accuracy_passages": len(subset),
+             "curve": curve, "lm_loss": lm, "train_seconds": train_seconds}
     low = None
     if body_name == "gpt" and method == "full":
         low = lowrank_spectra(weights, head.body.state_dict())
     entry["wall_seconds"] = round(time.perf_counter() - start, 1)
     return entry, low
+
+
+def run_word_order_baselines(n_train: int | None = None) -> dict:
+    """Majority, n-gram and LM-score baselines of the word-order task, trained on ``n_train`` passages."""
+    train, test = task("word-order")
+    available = len(train)
+    train = training_set(train, n_train)
+    ngram = ngram_baseline(train, test, **{k: tuple(v) if isinstance(v, list) else v for k, v in NGRAM.items()})
+    gpt, tokenizer, *_ = load_body("gpt", 0)
+    scores = {name: lm_scores(gpt, encode_passages(p, tokenizer)[0]) for name, p in (("train", train), ("test", test))}
+    y, test_y = torch.tensor(train.labels), torch.tensor(test.labels)
+    w, b = fit_standardised_logistic_regression(scores["train"][:, None], y, 2, l2=LM_SCORE_L2)
+    lm_accuracy = ((scores["test"][:, None] @ w.T + b).argmax(1) == test_y).double().mean().item()
+    means = {name: {c: sig(s[(torch.tensor(p.labels) == i)].mean().item()) for i, c in enumerate(p.classes)}
+             for name, s, p in (("train", scores["train"], train), ("test", scores["test"], test))}
+    return {"task": {"task": "word-order", "plays": list(DEFAULT_PLAYS), "passage_chars": TASK["passage_chars"],
+                     "test_fraction": TASK["test_fraction"], "split_seed": TASK["seed"],
+                     "shuffle_seed": WORD_ORDER_SEED, "n_available": available, "subset_seed": SUBSET_SEED,
+                     "n_train": len(train), "n_test": len(test), "train_counts": train.counts(),
+                     "test_counts": test.counts()},
+            "majority_accuracy": sig(majority_accuracy(train, test)), "ngram_accuracy": sig(ngram.accuracy),
+            "ngram": NGRAM, "lm_score_accuracy": sig(lm_accuracy),
+            "lm_score": {"feature": "chapter7_model()'s mean next-character loss (nats) on the passage's 63 "
+                                    "predicted characters", "l2": LM_SCORE_L2, "mean_score": means,
+                         "threshold": sig((-(b[1] - b[0]) / (w[1, 0] - w[0, 0])).item())}}
 
 
 def run_baselines() -> dict:
@@ -251,6 +339,35 @@ def store_summary() -> None:
     store("classification/summary", {"command": command("--entry summary"), **summary(runs)})
 
 
+def word_order_summary(runs: dict) -> dict:
+    """Mean and sample standard deviation over the seeds of every word-order (body, method, n_train), and the
+    baselines of every n_train, from the ``word-order/...`` entries of ``runs``."""
+    groups: dict[str, list[dict]] = {}
+    baselines = {}
+    for key, entry in sorted(runs.items()):
+        parts = key.split("/")
+        if parts[0] == "word-order" and len(parts) == 5 and parts[4].startswith("seed"):
+            groups.setdefault("/".join(parts[1:4]), []).append(entry)
+        elif parts[0] == "word-order" and len(parts) == 3 and parts[1] == "baselines":
+            baselines[parts[2]] = {k: entry[k] for k in ("majority_accuracy", "ngram_accuracy", "lm_score_accuracy")}
+    out = {}
+    for name, entries in sorted(groups.items(), key=lambda item: item[0]):
+        accs = [e["test_accuracy"] for e in entries]
+        after = [e["lm_loss"]["after"] for e in entries if e["lm_loss"]]
+        out[name] = {"seeds": [e["seed"] for e in entries], "test_accuracy": accs, "mean": sig(statistics.fmean(accs)),
+                     "std": sig(statistics.stdev(accs)) if len(accs) > 1 else None,
+                     "steps": sorted({e["config"].get("steps") for e in entries}, key=str),
+                     "lm_loss_before": [e["lm_loss"]["before"] for e in entries] if after else None,
+                     "lm_loss_after_mean": sig(statistics.fmean(after)) if after else None}
+    out["baselines"] = baselines
+    return out
+
+
+def store_word_order_summary() -> None:
+    runs = json.loads(OUT.read_text())["runs"]
+    store("word-order/summary", {"command": command("--task word-order --entry summary"), **word_order_summary(runs)})
+
+
 def environment() -> dict:
     return {"threads": torch.get_num_threads(), "environment": {k: os.environ.get(k) for k in ENVIRONMENT}}
 
@@ -266,6 +383,56 @@ def classify(body: str, method: str, seed: int) -> None:
     print(key, entry["test_accuracy"], entry["lm_loss"], entry["wall_seconds"], "s", flush=True)
 
 
+def n_name(n_train: int | None) -> str:
+    return f"n{len(task('word-order')[0]) if n_train is None else n_train}"
+
+
+def word_order_args(n_train: int | None, steps: int | None) -> str:
+    return "--task word-order" + (f" --n-train {n_train}" if n_train else "") + (f" --steps {steps}" if steps else "")
+
+
+def word_order_baselines(n_train: int | None) -> None:
+    entry = run_word_order_baselines(n_train)
+    cmd = command(f"{word_order_args(n_train, None)} --entry baselines")
+    store(f"word-order/baselines/{n_name(n_train)}", {"command": cmd, **entry})
+    store_word_order_summary()
+    print(f"word-order/baselines/{n_name(n_train)}", entry["majority_accuracy"], entry["ngram_accuracy"],
+          entry["lm_score_accuracy"], flush=True)
+
+
+def word_order_classify(body: str, method: str, seed: int, n_train: int | None, steps: int | None) -> None:
+    steps = None if steps == FINETUNE["steps"] else steps
+    entry, low = run_classifier(body, method, seed, task_name="word-order", n_train=n_train, steps=steps)
+    key = f"word-order/{body}/{method}/{n_name(n_train)}/seed{seed}"
+    cmd = command(f"{word_order_args(n_train, steps)} --body {body} --method {method} --seed {seed}")
+    store(key, {"command": cmd, **entry, **environment()})
+    if low is not None:
+        low_key = f"word-order-lowrank/{body}/{method}/{n_name(n_train)}/seed{seed}"
+        store(low_key, {"command": cmd, "source": key, **low})
+    store_word_order_summary()
+    print(key, entry["test_accuracy"], entry["lm_loss"] and entry["lm_loss"]["after"], entry["wall_seconds"], "s",
+          flush=True)
+
+
+def main_word_order(a) -> None:
+    """``--task word-order``: baselines, fine-tunes, the summary, or (``--entry all``) ``WORD_ORDER_PLAN``."""
+    if a.entry == "baselines":
+        word_order_baselines(a.n_train)
+    elif a.entry == "classify":
+        for method in a.method or METHODS:
+            for seed in a.seed or [0, 1, 2]:
+                word_order_classify(a.body, method, seed, a.n_train, a.steps)
+    elif a.entry == "summary":
+        store_word_order_summary()
+    elif a.entry == "all":
+        for n_train in dict.fromkeys(n for n, _, _ in WORD_ORDER_PLAN):
+            word_order_baselines(n_train)
+        for n_train, steps, seeds in WORD_ORDER_PLAN:
+            for seed in seeds:
+                for method in METHODS:
+                    word_order_classify("gpt", method, seed, n_train, steps)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--entry", choices=("classify", "baselines", "rank", "summary", "all"), default="classify")
@@ -273,8 +440,24 @@ def main(argv=None) -> None:
     p.add_argument("--method", choices=METHODS, action="append")
     p.add_argument("--seed", type=int, action="append", help="seeds (default 0 1 2; rank: 0)")
     p.add_argument("--rank", type=int, action="append", help=f"LoRA ranks for --entry rank (default {RANKS})")
+    p.add_argument("--task", choices=TASKS, default="play", help="which play (default) or real vs word-shuffled")
+    p.add_argument("--n-train", type=int, help="word-order: train on this many passages (balanced, seeded)")
+    p.add_argument("--steps", type=int, help=f"word-order: fine-tuning steps (default {FINETUNE['steps']})")
     a = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if a.task == "play" and (a.n_train is not None or a.steps is not None):
+        p.error("--n-train and --steps are for --task word-order (the which-play entries use all passages)")
+    if a.task == "word-order":
+        if a.entry == "rank":
+            p.error("--entry rank is for --task play")
+        if a.steps is not None and a.steps < 1:
+            p.error(f"--steps must be a positive integer, got {a.steps}")
+        if a.n_train is not None:
+            try:
+                training_set(task("word-order")[0], a.n_train)
+            except ValueError as err:
+                p.error(f"--n-train {a.n_train}: {err}")
+        return main_word_order(a)
     if a.entry in ("baselines", "all"):
         store("classification/baselines", {"command": command("--entry baselines"), **run_baselines()})
     if a.entry == "classify":

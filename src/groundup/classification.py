@@ -9,6 +9,9 @@
     head = classifier_for(body, 4, "lora", seed=0)       # or "scratch", "probe", "full": what trains
     fine_tune(head, ids, labels, steps=150, lr=2e-3)    # AdamW on the trainable parameters
     accuracy_and_loss(head, test_ids, test_labels)
+    train.select(balanced_subset(train.labels, 128))    # few labels: 64 of each class, seeded
+    fit_probe(head, ids, labels, sections)               # frozen body: logistic regression, l2 by held-out scenes
+    lm_scores(gpt, ids)                                 # the language model's mean loss on each passage
 
 The task is built deterministically from :func:`groundup.data.shakespeare_works`. Passages are cut from the
 spoken text only (speaker names and stage directions removed: "HAMLET." above a speech would give the answer
@@ -101,6 +104,12 @@ class Passages:
         """The number of passages of each class."""
         counts = Counter(self.labels)
         return [counts[c] for c in range(len(self.classes))]
+
+    def select(self, rows: Sequence[int]) -> Passages:
+        """The passages at indices ``rows``, in that order (e.g. a :func:`balanced_subset`)."""
+        rows = [int(r) for r in rows]
+        return Passages(tuple(self.texts[r] for r in rows), tuple(self.labels[r] for r in rows),
+                        tuple(self.sections[r] for r in rows), self.classes)
 
 
 def _check_fraction(name: str, value) -> float:
@@ -368,7 +377,8 @@ class ClassifierHead(nn.Module):
         keep = torch.arange(seq, device=states.device) < lengths[:, None]
         return (states * keep[..., None]).sum(dim=1) / lengths[:, None].to(states.dtype)
 
-    def forward(self, idx: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def features(self, idx: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """The pooled vectors ``(batch, d_model)`` that the linear layer reads (dropout not applied)."""
         if lengths is not None and not self.causal and bool((lengths != idx.shape[1]).any()):
             raise ValueError("a bidirectional body (MaskedLM) attends to padding too, so its states depend on it; "
                              "give it equal-length sequences (lengths all equal to idx.shape[1])")
@@ -377,7 +387,10 @@ class ClassifierHead(nn.Module):
             states = self.body.hidden_states(idx)
         else:
             states = torch.cat([self.body.hidden_states(window) for window in idx.split(n_c, dim=1)], dim=1)
-        return self.linear(self.dropout(self.pool(states, lengths)))
+        return self.pool(states, lengths)
+
+    def forward(self, idx: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        return self.linear(self.dropout(self.features(idx, lengths)))
 
 
 @torch.no_grad()
@@ -510,3 +523,125 @@ def accuracy_and_loss(head: ClassifierHead, ids: torch.Tensor, labels: torch.Ten
     finally:
         head.train(was_training)
     return (logits.argmax(1) == labels).double().mean().item(), F.cross_entropy(logits, labels).item()
+
+
+# ---- few labels: balanced subsets, probes fitted to convergence, the language model's own score ----------------
+
+def balanced_subset(labels: Sequence[int], n: int, *, seed: int = 0) -> list[int]:
+    """``n`` indices into ``labels``, ``n / k`` of each of the ``k`` classes present, in increasing order.
+
+    One permutation of all indices (``torch.randperm`` seeded with ``seed``) is walked, keeping an index while its
+    class has fewer than ``n / k``: a smaller subset of the same seed is contained in a larger one.
+    """
+    classes = sorted(set(int(c) for c in labels))
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < len(classes) or n % len(classes):
+        raise ValueError(f"n must be a positive multiple of the number of classes ({len(classes)}), got {n!r}")
+    counts = Counter(int(c) for c in labels)
+    if min(counts.values()) < n // len(classes):
+        raise ValueError(f"n={n} needs {n // len(classes)} passages of each class; the rarest class has "
+                         f"{min(counts.values())}")
+    taken, rows = Counter(), []
+    for row in torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed)).tolist():
+        if taken[int(labels[row])] < n // len(classes):
+            taken[int(labels[row])] += 1
+            rows.append(row)
+    return sorted(rows)
+
+
+def scene_folds(sections: Sequence[str], k: int = 4, *, seed: int = 0) -> list[int]:
+    """A fold in ``0 .. k-1`` for every passage, whole scenes (equal ``sections``) to one fold.
+
+    The scenes are shuffled with ``random.Random(f"{seed}:folds")`` and each in turn goes to the fold holding the
+    fewest passages so far, so the folds are about equal in size and a held-out fold shares no scene with the rest.
+    """
+    counts = Counter(sections)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 2 <= k <= len(counts):
+        raise ValueError(f"k must be an integer from 2 to the number of scenes ({len(counts)}), got {k!r}")
+    scenes = sorted(counts)
+    random.Random(f"{seed}:folds").shuffle(scenes)
+    sizes, fold_of = [0] * k, {}
+    for scene in scenes:
+        fold_of[scene] = sizes.index(min(sizes))
+        sizes[fold_of[scene]] += counts[scene]
+    return [fold_of[s] for s in sections]
+
+
+def fit_standardised_logistic_regression(x: torch.Tensor, y: torch.Tensor, n_classes: int, *, l2: float = 1e-3,
+                                         max_iter: int = 200) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fit_logistic_regression` on the features standardised with their mean and standard deviation over
+    the rows of ``x`` (a constant feature is only centred), returned as ``(W, b)`` for the raw features."""
+    x = x.double()
+    mean, std = x.mean(dim=0), x.std(dim=0, unbiased=False)
+    std = torch.where(std > 0, std, torch.ones_like(std))
+    w, b = fit_logistic_regression((x - mean) / std, y, n_classes, l2=l2, max_iter=max_iter)
+    return w / std, b - (w / std) @ mean
+
+
+PROBE_L2 = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+
+
+@torch.no_grad()
+def pooled_features(head: ClassifierHead, ids: torch.Tensor, *, batch_size: int = 256) -> torch.Tensor:
+    """``head.features`` of every row of ``ids`` in eval mode, as float64 ``(n, d_model)``."""
+    was_training = head.training
+    head.eval()
+    try:
+        return torch.cat([head.features(ids[i:i + batch_size]) for i in range(0, len(ids), batch_size)]).double()
+    finally:
+        head.train(was_training)
+
+
+def fit_probe(head: ClassifierHead, ids: torch.Tensor, labels: torch.Tensor, sections: Sequence[str], *,
+              l2_grid: Sequence[float] = PROBE_L2, folds: int = 4, seed: int = 0, max_iter: int = 200) -> dict:
+    """Set ``head.linear`` to a logistic regression on the body's pooled states, fitted to convergence.
+
+    For every ``l2`` of ``l2_grid``, :func:`fit_standardised_logistic_regression` is fitted on all but one of
+    ``folds`` groups of whole scenes (:func:`scene_folds` of ``sections`` with ``seed``) and scored on the held-out
+    one; the ``l2`` with the lowest held-out cross-entropy over all passages (ties: the larger ``l2``) is refitted
+    on all of them. Nothing of a test set is seen. Returns the chosen ``l2`` and each ``l2``'s held-out
+    cross-entropy and accuracy.
+    """
+    if not l2_grid or any(not isinstance(v, numbers.Real) or v <= 0 for v in l2_grid):
+        raise ValueError(f"l2_grid must be positive numbers, got {l2_grid!r}")
+    x, y, k = pooled_features(head, ids), labels.long(), head.linear.out_features
+    fold = torch.tensor(scene_folds(sections, folds, seed=seed))
+    losses, accuracies = [], []
+    for l2 in l2_grid:
+        logits = torch.empty(len(y), k, dtype=torch.float64)
+        for f in range(folds):
+            w, b = fit_standardised_logistic_regression(x[fold != f], y[fold != f], k, l2=l2, max_iter=max_iter)
+            logits[fold == f] = x[fold == f] @ w.T + b
+        losses.append(F.cross_entropy(logits, y).item())
+        accuracies.append((logits.argmax(1) == y).double().mean().item())
+    best = min(range(len(l2_grid)), key=lambda i: (losses[i], -l2_grid[i]))
+    w, b = fit_standardised_logistic_regression(x, y, k, l2=l2_grid[best], max_iter=max_iter)
+    with torch.no_grad():
+        head.linear.weight.copy_(w)
+        head.linear.bias.copy_(b)
+    return {"l2": float(l2_grid[best]), "l2_grid": [float(v) for v in l2_grid], "folds": folds,
+            "held_out_loss": losses, "held_out_accuracy": accuracies}
+
+
+@torch.no_grad()
+def lm_scores(model: nn.Module, ids: torch.Tensor, *, batch_size: int = 256) -> torch.Tensor:
+    """Each row's mean next-token loss (nats, float64) under a causal language model: ``(n,)``.
+
+    Position ``t`` is predicted from positions ``< t`` for ``t = 1 .. seq-1`` (the first token has no context).
+    A language model's own surprise at a passage: one number per passage, no labels needed to compute it.
+    """
+    if not getattr(model, "causal", True):
+        raise ValueError("lm_scores needs a causal language model (a GPT); a masked LM predicts no next token")
+    if ids.dim() != 2 or ids.shape[1] < 2:
+        raise ValueError(f"ids must be (n, seq) with seq >= 2, got {tuple(ids.shape)}")
+    was_training = model.training
+    model.eval()
+    try:
+        out = []
+        for i in range(0, len(ids), batch_size):
+            rows = ids[i:i + batch_size]
+            logits, _ = model(rows[:, :-1])
+            logp = torch.log_softmax(logits.double(), dim=-1).gather(-1, rows[:, 1:, None])[..., 0]
+            out.append(-logp.mean(dim=1))
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
