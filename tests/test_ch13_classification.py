@@ -190,6 +190,9 @@ def test_word_order_baselines_on_a_subset(tiny):
     assert entry["majority_accuracy"] == tool.sig(898 / 1795)  # a tie in training: the first class, real
     assert 0.0 <= entry["ngram_accuracy"] <= 1.0 and 0.0 <= entry["lm_score_accuracy"] <= 1.0
     assert set(entry["lm_score"]["mean_score"]["test"]) == {"real", "shuffled"}
+    cv = entry["ngram_l2_by_held_out_scenes"]
+    assert cv["l2"] in PROBE_L2 and cv["held_out_loss"][cv["l2_grid"].index(cv["l2"])] == min(cv["held_out_loss"])
+    assert 0.0 <= cv["accuracy"] <= 1.0
 
 
 def test_word_order_commands_store_their_entries_and_summary(tiny, tmp_path, monkeypatch):
@@ -265,3 +268,4 @@ def test_stored_word_order_baselines_are_those_of_the_task(key):
     assert entry["task"]["train_counts"] == subset.counts()
     assert entry["majority_accuracy"] == tool.sig(majority_accuracy(subset, test))
     assert 0.0 <= entry["ngram_accuracy"] <= 1.0 and 0.0 <= entry["lm_score_accuracy"] <= 1.0
+    assert (entry["ngram_l2_by_held_out_scenes"] is None) == (n > tool.NGRAM_CV_MAX)

@@ -61,8 +61,10 @@ from groundup.classification import (
     accuracy_and_loss,
     balanced_subset,
     classifier_for,
+    cross_validate_l2,
     encode_passages,
     fine_tune,
+    fit_logistic_regression,
     fit_probe,
     fit_standardised_logistic_regression,
     lm_scores,
@@ -94,6 +96,7 @@ TASKS = ("play", "word-order")
 WORD_ORDER_SEED = 0  # word_order_task's shuffle seed
 SUBSET_SEED = 0  # balanced_subset's seed for --n-train: one subset for every method and seed
 PROBE = dict(l2_grid=[1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0], folds=4)  # word-order probe: l2 by held-out scenes
+NGRAM_CV_MAX = 1024  # up to this many training passages the n-gram baseline's l2 is also chosen on held-out scenes
 LM_SCORE_L2 = 1e-3  # the one-feature LM-score baseline's l2 (standardised feature), as the n-gram's
 WORD_ORDER_PLAN = ((128, 60, (0, 1, 2)), (None, 150, (0,)), (None, 150, (1, 2)))  # (n_train, steps, seeds), in order
 
@@ -276,7 +279,16 @@ def run_word_order_baselines(n_train: int | None = None) -> dict:
     train, test = task("word-order")
     available = len(train)
     train = training_set(train, n_train)
-    ngram = ngram_baseline(train, test, **{k: tuple(v) if isinstance(v, list) else v for k, v in NGRAM.items()})
+    ngram_settings = {k: tuple(v) if isinstance(v, list) else v for k, v in NGRAM.items()}
+    ngram = ngram_baseline(train, test, **ngram_settings)
+    ngram_cv = None
+    if len(train) <= NGRAM_CV_MAX:  # the same choice of l2 the probe gets (all labels: ~25 fits of 4733 x 2000)
+        cv = cross_validate_l2(ngram.features(train.texts), torch.tensor(train.labels), 2, train.sections,
+                               fit=fit_logistic_regression, seed=0, **PROBE)
+        refit = ngram_baseline(train, test, **{**ngram_settings, "l2": cv["l2"]})
+        ngram_cv = {"accuracy": sig(refit.accuracy), "l2": cv["l2"], "l2_grid": cv["l2_grid"], "folds": cv["folds"],
+                    "held_out_loss": [sig(v) for v in cv["held_out_loss"]],
+                    "held_out_accuracy": [sig(v) for v in cv["held_out_accuracy"]]}
     gpt, tokenizer, *_ = load_body("gpt", 0)
     scores = {name: lm_scores(gpt, encode_passages(p, tokenizer)[0]) for name, p in (("train", train), ("test", test))}
     y, test_y = torch.tensor(train.labels), torch.tensor(test.labels)
@@ -290,7 +302,7 @@ def run_word_order_baselines(n_train: int | None = None) -> dict:
                      "n_train": len(train), "n_test": len(test), "train_counts": train.counts(),
                      "test_counts": test.counts()},
             "majority_accuracy": sig(majority_accuracy(train, test)), "ngram_accuracy": sig(ngram.accuracy),
-            "ngram": NGRAM, "lm_score_accuracy": sig(lm_accuracy),
+            "ngram": NGRAM, "ngram_l2_by_held_out_scenes": ngram_cv, "lm_score_accuracy": sig(lm_accuracy),
             "lm_score": {"feature": "chapter7_model()'s mean next-character loss (nats) on the passage's 63 "
                                     "predicted characters", "l2": LM_SCORE_L2, "mean_score": means,
                          "threshold": sig((-(b[1] - b[0]) / (w[1, 0] - w[0, 0])).item())}}

@@ -591,35 +591,47 @@ def pooled_features(head: ClassifierHead, ids: torch.Tensor, *, batch_size: int 
         head.train(was_training)
 
 
-def fit_probe(head: ClassifierHead, ids: torch.Tensor, labels: torch.Tensor, sections: Sequence[str], *,
-              l2_grid: Sequence[float] = PROBE_L2, folds: int = 4, seed: int = 0, max_iter: int = 200) -> dict:
-    """Set ``head.linear`` to a logistic regression on the body's pooled states, fitted to convergence.
+def cross_validate_l2(x: torch.Tensor, y: torch.Tensor, n_classes: int, sections: Sequence[str], *,
+                      l2_grid: Sequence[float] = PROBE_L2, folds: int = 4, seed: int = 0, max_iter: int = 200,
+                      fit=fit_standardised_logistic_regression) -> dict:
+    """The ``l2`` of ``l2_grid`` whose ``fit(x, y, n_classes, l2=...)`` predicts held-out scenes best.
 
-    For every ``l2`` of ``l2_grid``, :func:`fit_standardised_logistic_regression` is fitted on all but one of
-    ``folds`` groups of whole scenes (:func:`scene_folds` of ``sections`` with ``seed``) and scored on the held-out
-    one; the ``l2`` with the lowest held-out cross-entropy over all passages (ties: the larger ``l2``) is refitted
-    on all of them. Nothing of a test set is seen. Returns the chosen ``l2`` and each ``l2``'s held-out
-    cross-entropy and accuracy.
+    Every ``l2`` is fitted on all but one of ``folds`` groups of whole scenes (:func:`scene_folds` of ``sections``
+    with ``seed``) and scored on the held-out one; the chosen ``l2`` has the lowest held-out cross-entropy over all
+    rows (ties: the larger ``l2``). Returns it with each ``l2``'s held-out cross-entropy and accuracy.
     """
-    if not l2_grid or any(not isinstance(v, numbers.Real) or v <= 0 for v in l2_grid):
+    if not l2_grid or any(isinstance(v, bool) or not isinstance(v, numbers.Real) or v <= 0 for v in l2_grid):
         raise ValueError(f"l2_grid must be positive numbers, got {l2_grid!r}")
-    x, y, k = pooled_features(head, ids), labels.long(), head.linear.out_features
+    x, y = x.double(), y.long()
     fold = torch.tensor(scene_folds(sections, folds, seed=seed))
     losses, accuracies = [], []
     for l2 in l2_grid:
-        logits = torch.empty(len(y), k, dtype=torch.float64)
+        logits = torch.empty(len(y), n_classes, dtype=torch.float64)
         for f in range(folds):
-            w, b = fit_standardised_logistic_regression(x[fold != f], y[fold != f], k, l2=l2, max_iter=max_iter)
+            w, b = fit(x[fold != f], y[fold != f], n_classes, l2=l2, max_iter=max_iter)
             logits[fold == f] = x[fold == f] @ w.T + b
         losses.append(F.cross_entropy(logits, y).item())
         accuracies.append((logits.argmax(1) == y).double().mean().item())
     best = min(range(len(l2_grid)), key=lambda i: (losses[i], -l2_grid[i]))
-    w, b = fit_standardised_logistic_regression(x, y, k, l2=l2_grid[best], max_iter=max_iter)
+    return {"l2": float(l2_grid[best]), "l2_grid": [float(v) for v in l2_grid], "folds": folds,
+            "held_out_loss": losses, "held_out_accuracy": accuracies}
+
+
+def fit_probe(head: ClassifierHead, ids: torch.Tensor, labels: torch.Tensor, sections: Sequence[str], *,
+              l2_grid: Sequence[float] = PROBE_L2, folds: int = 4, seed: int = 0, max_iter: int = 200) -> dict:
+    """Set ``head.linear`` to a logistic regression on the body's pooled states, fitted to convergence.
+
+    The states are standardised (:func:`fit_standardised_logistic_regression`); the ``l2`` is the one of
+    ``l2_grid`` that predicts held-out training scenes best (:func:`cross_validate_l2`), refitted on all the
+    passages. Nothing of a test set is seen. Returns :func:`cross_validate_l2`'s answer.
+    """
+    x, y, k = pooled_features(head, ids), labels.long(), head.linear.out_features
+    chosen = cross_validate_l2(x, y, k, sections, l2_grid=l2_grid, folds=folds, seed=seed, max_iter=max_iter)
+    w, b = fit_standardised_logistic_regression(x, y, k, l2=chosen["l2"], max_iter=max_iter)
     with torch.no_grad():
         head.linear.weight.copy_(w)
         head.linear.bias.copy_(b)
-    return {"l2": float(l2_grid[best]), "l2_grid": [float(v) for v in l2_grid], "folds": folds,
-            "held_out_loss": losses, "held_out_accuracy": accuracies}
+    return chosen
 
 
 @torch.no_grad()
