@@ -58,6 +58,7 @@ from groundup.classification import (
     ATTENTION_PROJECTIONS,
     DEFAULT_PLAYS,
     METHODS,
+    PROBE_L2,
     accuracy_and_loss,
     balanced_subset,
     classifier_for,
@@ -95,7 +96,7 @@ TOP_SINGULAR = 32
 TASKS = ("play", "word-order")
 WORD_ORDER_SEED = 0  # word_order_task's shuffle seed
 SUBSET_SEED = 0  # balanced_subset's seed for --n-train: one subset for every method and seed
-PROBE = dict(l2_grid=[1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0], folds=4)  # word-order probe: l2 by held-out scenes
+PROBE = dict(l2_grid=list(PROBE_L2), folds=4)  # word-order probe: l2 by held-out scenes
 NGRAM_CV_MAX = 1024  # up to this many training passages the n-gram baseline's l2 is also chosen on held-out scenes
 LM_SCORE_L2 = 1e-3  # the one-feature LM-score baseline's l2 (standardised feature), as the n-gram's
 WORD_ORDER_PLAN = ((128, 60, (0, 1, 2)), (None, 150, (0,)), (None, 150, (1, 2)))  # (n_train, steps, seeds), in order
@@ -436,13 +437,16 @@ def main_word_order(a) -> None:
                 word_order_classify(a.body, method, seed, a.n_train, a.steps)
     elif a.entry == "summary":
         store_word_order_summary()
-    elif a.entry == "all":
+    elif a.entry == "all":  # --skip-stored: go on where an interrupted run stopped
+        stored = json.loads(OUT.read_text())["runs"] if a.skip_stored and OUT.is_file() else {}
         for n_train in dict.fromkeys(n for n, _, _ in WORD_ORDER_PLAN):
-            word_order_baselines(n_train)
+            if f"word-order/baselines/{n_name(n_train)}" not in stored:
+                word_order_baselines(n_train)
         for n_train, steps, seeds in WORD_ORDER_PLAN:
             for seed in seeds:
                 for method in METHODS:
-                    word_order_classify("gpt", method, seed, n_train, steps)
+                    if f"word-order/gpt/{method}/{n_name(n_train)}/seed{seed}" not in stored:
+                        word_order_classify("gpt", method, seed, n_train, steps)
 
 
 def main(argv=None) -> None:
@@ -455,6 +459,7 @@ def main(argv=None) -> None:
     p.add_argument("--task", choices=TASKS, default="play", help="which play (default) or real vs word-shuffled")
     p.add_argument("--n-train", type=int, help="word-order: train on this many passages (balanced, seeded)")
     p.add_argument("--steps", type=int, help=f"word-order: fine-tuning steps (default {FINETUNE['steps']})")
+    p.add_argument("--skip-stored", action="store_true", help="word-order --entry all: skip entries already stored")
     a = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if a.task == "play" and (a.n_train is not None or a.steps is not None):

@@ -577,7 +577,7 @@ def fit_standardised_logistic_regression(x: torch.Tensor, y: torch.Tensor, n_cla
     return w / std, b - (w / std) @ mean
 
 
-PROBE_L2 = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+PROBE_L2 = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)  # wide: few labels want a large l2
 
 
 @torch.no_grad()
