@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from groundup.norms import RMSNorm, _positive_int
-from groundup.utils import version_counter
+from groundup.norms import RMSNorm
+from groundup.utils import positive_int, version_counter
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -260,7 +260,7 @@ class MultiHeadAttention(nn.Module):
                  dropout: float = 0.0, n_kv_heads: int | None = None, qk_norm: bool = False,
                  norm_eps: float = 1e-6):
         super().__init__()
-        d_model, n_heads = _positive_int("d_model", d_model), _positive_int("n_heads", n_heads)
+        d_model, n_heads = positive_int("d_model", d_model), positive_int("n_heads", n_heads)
         if d_head is None:
             if d_model % n_heads:
                 raise ValueError(f"d_model = {d_model} is not divisible by n_heads = {n_heads}; choose "
@@ -276,7 +276,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         if n_kv_heads is None:
             n_kv_heads = n_heads
-        n_kv_heads = _positive_int("n_kv_heads", n_kv_heads)
+        n_kv_heads = positive_int("n_kv_heads", n_kv_heads)
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads = {n_kv_heads} must divide n_heads = {n_heads} (each key/value head "
                              f"serves a group of n_heads / n_kv_heads query heads)")

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from groundup.utils import positive_int
+
 DEFAULT_PLAYS = ("HAMLET, PRINCE OF DENMARK", "MACBETH", "A MIDSUMMER NIGHT'S DREAM", "THE TEMPEST")
 """Four plays readers know: two tragedies, two comedies with spirits and magic."""
 
@@ -148,8 +150,7 @@ def play_passages(plays: Sequence[str] = DEFAULT_PLAYS, *, passage_chars: int = 
     """
     from groundup.data import WORK_JOINER, shakespeare_works
 
-    if isinstance(passage_chars, bool) or not isinstance(passage_chars, numbers.Integral) or passage_chars < 1:
-        raise ValueError(f"passage_chars must be a positive integer, got {passage_chars!r}")
+    passage_chars = positive_int("passage_chars", passage_chars)
     test_fraction = _check_fraction("test_fraction", test_fraction)
     if isinstance(plays, str) or len(plays) < 2 or len(set(plays)) != len(plays):
         raise ValueError(f"plays must be at least two different titles, got {plays!r}")
@@ -455,12 +456,6 @@ class FineTuneHistory:
     seconds: float
 
 
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def fine_tune(head: ClassifierHead, ids: torch.Tensor, labels: torch.Tensor, *, steps: int, batch_size: int = 32,
               lr: float = 1e-3, warmup: int = 0, weight_decay: float = 0.0, seed: int = 0,
               log_every: int | None = None) -> FineTuneHistory:
@@ -475,7 +470,7 @@ def fine_tune(head: ClassifierHead, ids: torch.Tensor, labels: torch.Tensor, *, 
 
     from groundup.training import TrainConfig, lr_at
 
-    steps, batch_size = _check_positive_int("steps", steps), _check_positive_int("batch_size", batch_size)
+    steps, batch_size = positive_int("steps", steps), positive_int("batch_size", batch_size)
     if ids.dim() != 2 or labels.shape != (len(ids),):
         raise ValueError(f"ids must be (n, seq) and labels (n,), got {tuple(ids.shape)} and {tuple(labels.shape)}")
     if not 1 <= batch_size <= len(ids):

@@ -35,15 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from groundup.models import GPT, GPTConfig
+from groundup.utils import positive_int
 
 IGNORE = -100
 """The target value :func:`torch.nn.functional.cross_entropy` (and :class:`GPT`'s loss) skips."""
-
-
-def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def repeated_random_tokens(n_seq: int, half_len: int, vocab_size: int,
@@ -54,8 +49,8 @@ def repeated_random_tokens(n_seq: int, half_len: int, vocab_size: int,
     The ids are drawn independently (with replacement) from ``0 .. vocab_size - 1`` by ``generator`` (the global
     generator when None), so a token may also occur twice within a half.
     """
-    n_seq, half_len = _positive("n_seq", n_seq), _positive("half_len", half_len)
-    vocab_size = _positive("vocab_size", vocab_size)
+    n_seq, half_len = positive_int("n_seq", n_seq), positive_int("half_len", half_len)
+    vocab_size = positive_int("vocab_size", vocab_size)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     first = torch.randint(0, vocab_size, (n_seq, half_len), generator=generator)
@@ -123,8 +118,8 @@ def random_repeats(n_seq: int, length: int, vocab_size: int, generator: torch.Ge
     :func:`~groundup.interpretability.induction_scores`). A varying distance leaves only the content-based
     mechanism, previous-token head and induction head, which then also works on the fixed-length test sequences.
     """
-    n_seq, length = _positive("n_seq", n_seq), _positive("length", length)
-    vocab_size, min_half = _positive("vocab_size", vocab_size), _positive("min_half", min_half)
+    n_seq, length = positive_int("n_seq", n_seq), positive_int("length", length)
+    vocab_size, min_half = positive_int("vocab_size", vocab_size), positive_int("min_half", min_half)
     if min_half < 2 or 2 * min_half > length:
         raise ValueError(f"min_half must be in 2 .. length // 2 = {length // 2}, got {min_half}")
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -201,7 +196,7 @@ def hand_built_induction_model(vocab_size: int, context_length: int, *, sharpnes
     softmax puts all but about ``exp(-sharpness)`` of the weight on the match. On sequences whose first half has
     no repeated token (e.g. a random permutation, repeated), the in-context loss is near 0.
     """
-    v, n = _positive("vocab_size", vocab_size), _positive("context_length", context_length)
+    v, n = positive_int("vocab_size", vocab_size), positive_int("context_length", context_length)
     for name, value in (("sharpness", sharpness), ("confidence", confidence), ("decoy_gain", decoy_gain)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{name} must be a positive number, got {value!r}")

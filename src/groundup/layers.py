@@ -25,9 +25,9 @@ from groundup.norms import (  # noqa: F401 (LayerNorm, RMSNorm: public here too)
     RMSNorm,
     _check_last_dim,
     _dtype_error,
-    _positive_int,
     make_norm,
 )
+from groundup.utils import positive_int
 
 NORM_POSITIONS = ("pre", "post")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
@@ -54,7 +54,7 @@ class FeedForward(nn.Module):
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be True or False, got {bias!r}")
-        d_model, d_ff = _positive_int("d_model", d_model), _positive_int("d_ff", d_ff)
+        d_model, d_ff = positive_int("d_model", d_model), positive_int("d_ff", d_ff)
         _check_dropout(dropout)
         self.d_model, self.d_ff, self.activation = d_model, d_ff, activation
         if activation == "swiglu":
@@ -100,7 +100,7 @@ def _check_dropout(dropout) -> None:
 
 def _check_config(config) -> None:
     for name in ("d_model", "n_heads", "d_ff"):
-        _positive_int(f"config.{name}", getattr(config, name))
+        positive_int(f"config.{name}", getattr(config, name))
     _check_dropout(config.dropout)
     if config.d_model % config.n_heads != 0:
         raise ValueError(f"d_model ({config.d_model}) must be divisible by n_heads ({config.n_heads})")

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from groundup.utils import positive_int
+
 NORMS = ("layernorm", "rmsnorm")
 
 
@@ -22,15 +24,8 @@ def _check_last_dim(x: torch.Tensor, d: int, name: str) -> None:
         raise ValueError(f"{name} expects x with last dimension {d}, got shape {tuple(x.shape)}")
 
 
-def _positive_int(name: str, value) -> int:
-    """``value`` as an int (Python or NumPy integers), or a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _check_norm_args(d, eps) -> int:
-    d = _positive_int("d", d)
+    d = positive_int("d", d)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a positive number, got {type(eps).__name__} {eps!r}")
     if not eps > 0:

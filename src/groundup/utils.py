@@ -25,6 +25,13 @@ def set_seed(seed: int = 0) -> None:
     torch.manual_seed(seed)
 
 
+def positive_int(name: str, value) -> int:
+    """``value`` as an int (Python or NumPy integers; not bools), or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 @contextlib.contextmanager
 def threads(n: int):
     """Run the body with PyTorch limited to ``n`` CPU threads, then restore the previous number.
