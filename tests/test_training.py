@@ -553,17 +553,24 @@ def test_train_refuses_a_checkpoint_with_a_damaged_random_state(tmp_path, key):
         train(tiny_model(), pattern_data(), pattern_data(), config(max_steps=30, out_dir=tmp_path, resume=True))
 
 
-def test_chapter7_model_is_reused_only_under_the_mkl_setting_it_was_trained_with(tmp_path, monkeypatch):
-    # MKL picks its kernels per CPU unless MKL_CBWR=COMPATIBLE (the notebooks' setting): a cached model trained
-    # under another setting has other last bits, and the chapters that load it would print other numbers.
+def _stub_chapter7_training(monkeypatch):
+    """A chapter 7-shaped model over 8 characters, and train_chapter7_model replaced by one that counts its calls
+    in ``retrained`` and returns that model: (model, tokenizer, retrained)."""
     from groundup.tokenizers import CharTokenizer
 
-    monkeypatch.setenv("GROUNDUP_CACHE_DIR", str(tmp_path))
     tokenizer = CharTokenizer.from_text("abcdefgh")
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **training.CHAPTER7_MODEL))
     retrained = []
     monkeypatch.setattr(training, "train_chapter7_model", lambda **kw: retrained.append(1) or (model, tokenizer, None))
+    return model, tokenizer, retrained
+
+
+def test_chapter7_model_is_reused_only_under_the_mkl_setting_it_was_trained_with(tmp_path, monkeypatch):
+    # MKL picks its kernels per CPU unless MKL_CBWR=COMPATIBLE (the notebooks' setting): a cached model trained
+    # under another setting has other last bits, and the chapters that load it would print other numbers.
+    monkeypatch.setenv("GROUNDUP_CACHE_DIR", str(tmp_path))
+    model, tokenizer, retrained = _stub_chapter7_training(monkeypatch)
     monkeypatch.delenv("MKL_CBWR", raising=False)
     with training.threads(1):
         training.save_chapter7_model(model, tokenizer, training.History(), cache_dir=tmp_path)
@@ -578,13 +585,7 @@ def test_chapter7_model_is_reused_only_under_the_mkl_setting_it_was_trained_with
 def test_chapter7_model_is_reused_only_with_the_cpu_kernels_it_was_trained_with(tmp_path, monkeypatch):
     # PyTorch's AVX-512, AVX2 and plain kernels differ in the last bits (the checked notebook runs use the plain
     # ones, ATEN_CPU_CAPABILITY=default): a model trained on others would make chapters 8, 9, 12 print other numbers.
-    from groundup.tokenizers import CharTokenizer
-
-    tokenizer = CharTokenizer.from_text("abcdefgh")
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **training.CHAPTER7_MODEL))
-    retrained = []
-    monkeypatch.setattr(training, "train_chapter7_model", lambda **kw: retrained.append(1) or (model, tokenizer, None))
+    model, tokenizer, retrained = _stub_chapter7_training(monkeypatch)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     with training.threads(1):
         training.save_chapter7_model(model, tokenizer, training.History(), cache_dir=tmp_path)
@@ -598,13 +599,7 @@ def test_chapter7_model_is_reused_only_with_the_cpu_kernels_it_was_trained_with(
 def test_chapter7_models_of_two_arithmetics_live_side_by_side(tmp_path, monkeypatch):
     # The checked notebook runs (MKL_CBWR=COMPATIBLE, plain kernels) and a run on the machine's fastest kernels each
     # keep their own file: switching between them used to overwrite the other's model and retrain it (5-10 min).
-    from groundup.tokenizers import CharTokenizer
-
-    tokenizer = CharTokenizer.from_text("abcdefgh")
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **training.CHAPTER7_MODEL))
-    retrained = []
-    monkeypatch.setattr(training, "train_chapter7_model", lambda **kw: retrained.append(1) or (model, tokenizer, None))
+    model, tokenizer, retrained = _stub_chapter7_training(monkeypatch)
     paths = {}
     for mkl, kernels in ((None, "AVX512"), ("COMPATIBLE", "DEFAULT")):
         if mkl:
