@@ -37,6 +37,18 @@ _LORA_HINT = ("The exercise is to write the adapter yourself with matrix product
               "book's and the library's own solutions, so calling them proves nothing.")
 
 
+def _if_installed(forbidden: Callable[[], list]) -> list:
+    """``forbidden()``, the Forbidden entries of a library it imports, or none where that library is missing or
+    broken: then there is nothing of it for an answer to call. Imported here, not when the reader's function runs,
+    so that a function importing the library itself is caught too."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return forbidden()
+    except Exception:  # noqa: BLE001 -- any failure of an optional library means it cannot be called either
+        return []
+
+
 @functools.cache
 def _lora_solutions() -> tuple:
     """What an answer must not call: the package's LoRA layer, and peft's where peft is installed (imported here,
@@ -44,16 +56,14 @@ def _lora_solutions() -> tuple:
     forbid = [Forbidden(LoRALinear, "forward", label="groundup.lora.LoRALinear.forward", hint=_LORA_HINT),
               Forbidden(LoRALinear, "delta_weight", label="groundup.lora.LoRALinear.delta_weight", hint=_LORA_HINT),
               Forbidden(LoRALinear, "merge", label="groundup.lora.LoRALinear.merge", hint=_LORA_HINT)]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from peft.tuners.lora import layer as peft_layer
-        forbid += [Forbidden(peft_layer.Linear, "forward", label="peft's LoRA Linear.forward", hint=_LORA_HINT),
-                   Forbidden(peft_layer.Linear, "get_delta_weight", label="peft's LoRA Linear.get_delta_weight",
-                             hint=_LORA_HINT)]
-    except Exception:  # noqa: BLE001 -- without a working peft there is nothing of it to call
-        pass
-    return tuple(forbid)
+
+    def peft_layer():
+        from peft.tuners.lora import layer as peft_layer
+        return [Forbidden(peft_layer.Linear, "forward", label="peft's LoRA Linear.forward", hint=_LORA_HINT),
+                Forbidden(peft_layer.Linear, "get_delta_weight", label="peft's LoRA Linear.get_delta_weight",
+                          hint=_LORA_HINT)]
+
+    return tuple(forbid + _if_installed(peft_layer))
 
 
 def _cases(g: torch.Generator) -> list[dict]:
@@ -199,25 +209,20 @@ def _count_builders() -> tuple:
     forbid = [lora_parameter_count, attach_lora, _lora_shapes,
               Forbidden(LoRALinear, "__init__", label="groundup.lora.LoRALinear", hint=_COUNT_HINT),
               Forbidden(GPT, "__init__", label="groundup.models.GPT", hint=_COUNT_HINT)]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from transformers.models.llama import modeling_llama
-        forbid += [Forbidden(modeling_llama.LlamaModel, "__init__", label="transformers.LlamaModel", hint=_COUNT_HINT),
-                   Forbidden(modeling_llama.LlamaDecoderLayer, "__init__", label="transformers.LlamaDecoderLayer",
-                             hint=_COUNT_HINT)]
-    except Exception:  # noqa: BLE001 -- without a working transformers there is nothing of it to call
-        pass
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from peft.tuners.lora import layer as peft_layer
-            from peft.tuners.tuners_utils import BaseTuner
-        forbid += [Forbidden(BaseTuner, "__init__", label="peft's LoRA model (get_peft_model)", hint=_COUNT_HINT),
-                   Forbidden(peft_layer.LoraLayer, "update_layer", label="peft's LoRA layer", hint=_COUNT_HINT)]
-    except Exception:  # noqa: BLE001 -- without a working peft there is nothing of it to call
-        pass
-    return tuple(forbid)
+
+    def llama():
+        from transformers.models.llama import modeling_llama
+        return [Forbidden(modeling_llama.LlamaModel, "__init__", label="transformers.LlamaModel", hint=_COUNT_HINT),
+                Forbidden(modeling_llama.LlamaDecoderLayer, "__init__", label="transformers.LlamaDecoderLayer",
+                          hint=_COUNT_HINT)]
+
+    def peft_model():
+        from peft.tuners.lora import layer as peft_layer
+        from peft.tuners.tuners_utils import BaseTuner
+        return [Forbidden(BaseTuner, "__init__", label="peft's LoRA model (get_peft_model)", hint=_COUNT_HINT),
+                Forbidden(peft_layer.LoraLayer, "update_layer", label="peft's LoRA layer", hint=_COUNT_HINT)]
+
+    return tuple(forbid + _if_installed(llama) + _if_installed(peft_model))
 
 
 SMOLLM2_SHAPE = (30, 576, 9, 3, 1536)
