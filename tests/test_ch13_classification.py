@@ -88,12 +88,18 @@ def test_probe_and_lora_entries_count_their_parameters_and_merge(tiny):
     assert scratch["lm_loss"] is None and 0.0 <= scratch["test_accuracy"] <= 1.0
 
 
+def _command_options(entry) -> dict[str, str]:
+    """The ``--flag value`` pairs of a stored entry's command, after checking that it runs this tool in its
+    environment."""
+    words = shlex.split(entry["command"])
+    assert words[:3] == shlex.split(tool.ENV) and words[3:5] == ["python", "tools/ch13_classification.py"]
+    return {w: words[i + 1] for i, w in enumerate(words) if w.startswith("--")}
+
+
 @pytest.mark.parametrize("key", sorted(FITS))
 def test_stored_fine_tune_matches_its_command_and_settings(key):
     entry = RUNS[key]
-    words = shlex.split(entry["command"])
-    assert words[:3] == shlex.split(tool.ENV) and words[3:5] == ["python", "tools/ch13_classification.py"]
-    arg = {w: words[i + 1] for i, w in enumerate(words) if w.startswith("--")}
+    arg = _command_options(entry)
     method, seed = entry["method"], int(arg["--seed"])
     if key.startswith("lora_rank/"):
         assert key == f"lora_rank/gpt/r{arg['--rank']}/seed{seed}" and method == "lora"
@@ -223,9 +229,7 @@ def test_bad_word_order_arguments_name_the_flag(argv, message, capsys):
 @pytest.mark.parametrize("key", sorted(WORD_ORDER))
 def test_stored_word_order_fine_tune_matches_its_command_and_settings(key):
     entry = RUNS[key]
-    words = shlex.split(entry["command"])
-    assert words[:3] == shlex.split(tool.ENV) and words[3:5] == ["python", "tools/ch13_classification.py"]
-    arg = {w: words[i + 1] for i, w in enumerate(words) if w.startswith("--")}
+    arg = _command_options(entry)
     method, seed, c = entry["method"], int(arg["--seed"]), entry["config"]
     n = int(arg.get("--n-train", 4733))
     assert arg["--task"] == "word-order" and key == f"word-order/{arg['--body']}/{arg['--method']}/n{n}/seed{seed}"
