@@ -4,6 +4,7 @@ chapter13.json.
 A tiny GPT stands in for chapter 7's model in the live run; the stored entries are checked against their commands,
 the tool's settings and each other (the summary, the baselines, the low-rank spectra)."""
 
+import copy
 import json
 import shlex
 import statistics
@@ -35,7 +36,9 @@ STORED_PATH = resources.files("groundup").joinpath("results/chapter13.json")
 ALL = json.loads(STORED_PATH.read_text())["runs"] if STORED_PATH.is_file() else {}
 RUNS = {k: v for k, v in ALL.items() if "tools/ch13_classification.py" in v["command"]}
 FITS = {k: v for k, v in RUNS.items() if k.startswith(("classification/", "lora_rank/")) and "method" in v}
-WORD_ORDER = {k: v for k, v in RUNS.items() if k.startswith("word-order/") and "method" in v}
+WORD_ORDER = {k: v for k, v in RUNS.items() if k.startswith("word-order/gpt/") and "method" in v}
+LORA_RANK = {k: v for k, v in RUNS.items() if k.startswith("word-order/lora-rank/") and "method" in v}
+CONVERGED = {k: v for k, v in RUNS.items() if k.startswith("classification-converged-probe/")}
 WORD_ORDER_BASELINES = {k: v for k, v in RUNS.items() if k.startswith("word-order/baselines/")}
 
 
@@ -219,7 +222,9 @@ def test_word_order_commands_store_their_entries_and_summary(tiny, tmp_path, mon
     (["--task", "word-order", "--n-train", "127"], "--n-train 127: n must be a positive multiple"),
     (["--task", "word-order", "--n-train", "8000"], "--n-train 8000: n=8000 needs 4000"),
     (["--task", "word-order", "--steps", "0"], "--steps must be a positive integer"),
-    (["--task", "word-order", "--entry", "rank"], "--entry rank is for --task play")])
+    (["--task", "word-order", "--entry", "converged-probe"], "--entry converged-probe is for --task play"),
+    (["--entry", "rank-summary"], "--entry rank-summary is for --task word-order"),
+    (["--task", "word-order", "--entry", "rank", "--rank", "0"], "--rank must be positive integers")])
 def test_bad_word_order_arguments_name_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit):
         tool.main(argv)
@@ -273,3 +278,90 @@ def test_stored_word_order_baselines_are_those_of_the_task(key):
     assert entry["majority_accuracy"] == tool.sig(majority_accuracy(subset, test))
     assert 0.0 <= entry["ngram_accuracy"] <= 1.0 and 0.0 <= entry["lm_score_accuracy"] <= 1.0
     assert (entry["ngram_l2_by_held_out_scenes"] is None) == (n > tool.NGRAM_CV_MAX)
+
+
+# ---- accuracy against LoRA's rank (word-order) and the which-play converged probe ---------------------------------
+
+def test_word_order_rank_sweep_stores_each_rank_and_its_summary(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(tool, "OUT", tmp_path / "chapter13.json")
+    tiny_body = tool.load_body  # a fresh copy of the tiny GPT for every run, as the tool loads chapter 7's afresh
+    monkeypatch.setattr(tool, "load_body", lambda name, seed: (copy.deepcopy(tiny_body(name, seed)[0]),
+                                                               *tiny_body(name, seed)[1:]))
+    argv = ["--task", "word-order", "--entry", "rank", "--seed", "0", "--n-train", "16", "--steps", "2"]
+    tool.main(argv + ["--rank", "2", "--rank", "4"])
+    runs = json.loads((tmp_path / "chapter13.json").read_text())["runs"]
+    assert set(runs) == {"word-order/lora-rank/n16/r2/seed0", "word-order/lora-rank/n16/r4/seed0",
+                         "word-order/lora-rank/n16/summary"}
+    r4 = runs["word-order/lora-rank/n16/r4/seed0"]
+    assert r4["command"] == tool.command("--task word-order --n-train 16 --steps 2 --entry rank --rank 4 --seed 0")
+    assert r4["config"]["lora"]["r"] == 4 and r4["trainable_params"] == 4 * 4 * (16 + 16) + 16 * 2 + 2
+    summary = runs["word-order/lora-rank/n16/summary"]
+    assert list(summary["ranks"]) == ["2", "4"] and summary["ranks"]["4"]["test_accuracy"] == [r4["test_accuracy"]]
+    assert summary["ranks"]["4"]["scale"] == tool.LORA["alpha"] / 4 and summary["ranks"]["2"]["std"] is None
+    stamp = (tmp_path / "chapter13.json").read_text()
+    tool.main(argv + ["--rank", "4", "--skip-stored"])  # nothing new to run: the entry is unchanged
+    assert json.loads((tmp_path / "chapter13.json").read_text())["runs"][
+        "word-order/lora-rank/n16/r4/seed0"] == json.loads(stamp)["runs"]["word-order/lora-rank/n16/r4/seed0"]
+
+
+def test_rank_summary_takes_the_stored_rank_8_runs_for_rank_8():
+    runs = {"word-order/gpt/lora/n128/seed0": {"config": {"steps": 60}},
+            "word-order/gpt/lora/n128/seed1": {"config": {"steps": 150}},
+            "word-order/lora-rank/n128/r4/seed1": {}}
+    assert tool.rank_sources(runs, 8, 128, 60) == ["word-order/gpt/lora/n128/seed0"]
+    assert tool.rank_sources(runs, 4, 128, 60) == ["word-order/lora-rank/n128/r4/seed1"]
+    assert tool.rank_sources(runs, 16, 128, 60) == []
+
+
+@pytest.mark.parametrize("key", sorted(LORA_RANK))
+def test_stored_lora_rank_run_matches_its_command_and_settings(key):
+    entry = RUNS[key]
+    arg = _command_options(entry)
+    r, seed, n, c = int(arg["--rank"]), int(arg["--seed"]), int(arg["--n-train"]), entry["config"]
+    assert key == f"word-order/lora-rank/n{n}/r{r}/seed{seed}" and arg["--entry"] == "rank"
+    assert (entry["body"], entry["method"], entry["seed"], c["lora"]) == ("gpt", "lora", seed, {**tool.LORA, "r": r})
+    assert (c["task"], c["n_train"], c["steps"], c["lr"]) == ("word-order", n, int(arg["--steps"]), tool.LR["lora"])
+    assert (n, c["steps"]) == (tool.RANK_SWEEP["n_train"], tool.RANK_SWEEP["steps"])
+    # r (d_in + d_out) per adapted matrix (13.3): W_q, W_k, W_v, W_o of 4 blocks of width 128; a 128 x 2 head
+    assert entry["trainable_params"] == 16 * r * (128 + 128) + 128 * 2 + 2
+    assert entry["threads"] == 1 and entry["environment"] == {
+        "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}
+    assert entry["lm_loss"]["after_merged"] == pytest.approx(entry["lm_loss"]["after"], rel=1e-3)
+
+
+def test_stored_lora_rank_summary_is_the_stored_runs():
+    if "word-order/lora-rank/n128/summary" not in RUNS:
+        pytest.skip("no rank sweep stored yet")
+    stored = RUNS["word-order/lora-rank/n128/summary"]
+    assert tool.lora_rank_summary(ALL) == {k: v for k, v in stored.items() if k != "command"}
+    assert stored["ranks"]["8"]["keys"][0] in WORD_ORDER and stored["lm_loss_before"] == 1.7296
+    for r, s in stored["ranks"].items():
+        assert all(RUNS[k]["config"]["lora"]["r"] == int(r) for k in s["keys"]) and len(s["keys"]) == 3
+        assert s["mean"] == pytest.approx(statistics.fmean(s["test_accuracy"]), rel=1e-4)
+        assert s["std"] == pytest.approx(statistics.stdev(s["test_accuracy"]), rel=1e-4)
+
+
+def test_which_play_converged_probe_is_fitted_on_all_passages(tiny):
+    body, reference, _ = tiny
+    probe, low = tool.run_classifier("gpt", "probe", 0, converged=True)
+    c = probe["config"]
+    assert low is None and probe["curve"] is None and "lr" not in c and c["n_train"] == 4733
+    losses = c["probe"]["held_out_loss"]
+    assert c["probe"]["l2"] in PROBE_L2 and losses[c["probe"]["l2_grid"].index(c["probe"]["l2"])] == min(losses)
+    assert probe["trainable_params"] == 16 * 4 + 4 and probe["lm_loss"]["after"] == probe["lm_loss"]["before"]
+    assert all(torch.equal(reference[k], v) for k, v in body.state_dict().items())
+
+
+@pytest.mark.parametrize("key", sorted(CONVERGED))
+def test_stored_converged_probe_matches_its_command(key):
+    entry = RUNS[key]
+    arg = _command_options(entry)
+    assert key == f"classification-converged-probe/{arg['--body']}/seed{arg['--seed']}"
+    assert arg["--entry"] == "converged-probe" and entry["body"] == arg["--body"] and entry["method"] == "probe"
+    c = entry["config"]
+    assert (c["n_train"], c["n_test"], c["probe"]["l2_grid"], c["probe"]["folds"]) == (
+        4733, 1795, tool.PROBE["l2_grid"], tool.PROBE["folds"])
+    losses = c["probe"]["held_out_loss"]
+    assert losses[c["probe"]["l2_grid"].index(c["probe"]["l2"])] == min(losses)
+    assert entry["ngram_accuracy"] == RUNS["classification/baselines"]["ngram_accuracy"]
+    assert entry["lm_loss"]["after"] == entry["lm_loss"]["before"] and entry["threads"] == 1

@@ -9,6 +9,8 @@
     env $E python tools/ch13_classification.py $W --entry baselines --n-train 128  # majority, n-gram, LM score
     env $E python tools/ch13_classification.py $W --method full --seed 0 --n-train 128 --steps 60
     env $E python tools/ch13_classification.py $W --entry all                    # WORD_ORDER_PLAN, in order
+    env $E python tools/ch13_classification.py $W --entry rank --skip-stored     # LoRA ranks 1-64, 128 labels
+    env $E python tools/ch13_classification.py --entry converged-probe --body gpt # which-play, converged probe
 
 The arithmetic settings are those chapter 7's stored model was trained under (``chapter7_model()`` trains it afresh
 under any other). The task is :func:`groundup.classification.play_passages` with ``TASK``: 64-character passages
@@ -37,7 +39,16 @@ The ``gpt/full/seed0`` run also stores the singular values of its weight update 
 ``--steps`` sets the fine-tuning steps. There the probe is a logistic regression on the frozen body's states
 fitted to convergence, its l2 chosen on held-out training scenes (:func:`groundup.classification.fit_probe`), and
 the baselines add the "LM score": a logistic regression on one feature, the GPT's mean next-character loss on the
-passage (:func:`groundup.classification.lm_scores`).
+passage (:func:`groundup.classification.lm_scores`). ``--task word-order --entry rank`` trains LoRA of every rank
+of ``WORD_ORDER_RANKS`` (alpha fixed at ``LORA["alpha"]``, so the scale alpha/r falls as r grows) on
+``RANK_SWEEP``'s labels and steps, seeds 0-2 (keys ``word-order/lora-rank/n<N>/r<r>/seed<s>``; rank 8 is the stored
+``word-order/gpt/lora/...`` run), and stores their summary ``word-order/lora-rank/summary``.
+
+``--entry converged-probe`` (which-play): the diagnostic that made us change task. The probe of the which-play
+entries is trained by 150 AdamW steps; this one is the word-order probe (a logistic regression on the frozen
+states, fitted to convergence, l2 chosen on held-out training scenes) on the which-play task, all 4,733 training
+passages, keys ``classification-converged-probe/<body>/seed<s>``: is the best linear read-out of these bodies'
+states better than the n-gram baseline?
 """
 
 from __future__ import annotations
@@ -100,6 +111,8 @@ PROBE = dict(l2_grid=list(PROBE_L2), folds=4)  # word-order probe: l2 by held-ou
 NGRAM_CV_MAX = 1024  # up to this many training passages the n-gram baseline's l2 is also chosen on held-out scenes
 LM_SCORE_L2 = 1e-3  # the one-feature LM-score baseline's l2 (standardised feature), as the n-gram's
 WORD_ORDER_PLAN = ((128, 60, (0, 1, 2)), (None, 150, (0,)), (None, 150, (1, 2)))  # (n_train, steps, seeds), in order
+WORD_ORDER_RANKS = (1, 2, 4, 8, 16, 32, 64)  # --task word-order --entry rank
+RANK_SWEEP = dict(n_train=128, steps=60)  # its defaults: the 128-label runs of WORD_ORDER_PLAN
 
 
 def sig(x: float, digits: int = 5) -> float:
@@ -217,11 +230,13 @@ def lowrank_spectra(before: dict, after: dict) -> dict:
 
 
 def run_classifier(body_name: str, method: str, seed: int, *, rank: int = LORA["r"], task_name: str = "play",
-                   n_train: int | None = None, steps: int | None = None) -> tuple[dict, dict | None]:
+                   n_train: int | None = None, steps: int | None = None,
+                   converged: bool = False) -> tuple[dict, dict | None]:
     """One fine-tune: its entry, and (for gpt/full) the low-rank analysis of its update.
 
     ``task_name="word-order"``: ``n_train`` passages (all if None), ``steps`` (``FINETUNE``'s if None), and the
-    probe fitted to convergence by :func:`groundup.classification.fit_probe` instead of AdamW steps."""
+    probe fitted to convergence by :func:`groundup.classification.fit_probe` instead of AdamW steps (on which-play
+    too with ``converged=True``)."""
     start = time.perf_counter()
     body, tokenizer, lm_loss, held_out, pretrain = load_body(body_name, seed)
     train, test = task(task_name)
@@ -240,7 +255,7 @@ def run_classifier(body_name: str, method: str, seed: int, *, rank: int = LORA["
               "body_source": "chapter7_model()" if body_name.startswith("gpt") else
               f"tools/ch09_results.py's MaskedLM, {pretrain['variant']}, {MLM_STEPS} steps, seed {seed}",
               **task_config(task_name, available, train)}
-    if task_name == "word-order" and method == "probe":
+    if method == "probe" and (task_name == "word-order" or converged):
         t0 = time.perf_counter()
         probe = fit_probe(head, ids, labels, train.sections, seed=seed, **PROBE)
         config = {k: v for k, v in config.items() if k not in (*FINETUNE, "lr")}
@@ -359,7 +374,7 @@ def word_order_summary(runs: dict) -> dict:
     baselines = {}
     for key, entry in sorted(runs.items()):
         parts = key.split("/")
-        if parts[0] == "word-order" and len(parts) == 5 and parts[4].startswith("seed"):
+        if parts[0] == "word-order" and len(parts) == 5 and parts[4].startswith("seed") and parts[1] != "lora-rank":
             groups.setdefault("/".join(parts[1:4]), []).append(entry)
         elif parts[0] == "word-order" and len(parts) == 3 and parts[1] == "baselines":
             baselines[parts[2]] = {k: entry[k] for k in ("majority_accuracy", "ngram_accuracy", "lm_score_accuracy")}
@@ -427,6 +442,75 @@ def word_order_classify(body: str, method: str, seed: int, n_train: int | None, 
           flush=True)
 
 
+def rank_key(r: int, seed: int, n_train: int) -> str:
+    return f"word-order/lora-rank/n{n_train}/r{r}/seed{seed}"
+
+
+def rank_sources(runs: dict, r: int, n_train: int, steps: int) -> list[str]:
+    """The stored keys of rank ``r``'s seeds: the sweep's own, or (for LORA's rank) the plan's LoRA runs."""
+    own = sorted(k for k in runs if k.startswith(f"word-order/lora-rank/n{n_train}/r{r}/seed"))
+    if own or r != LORA["r"]:
+        return own
+    plan = sorted(k for k in runs if k.startswith(f"word-order/gpt/lora/n{n_train}/seed"))
+    return [k for k in plan if runs[k]["config"]["steps"] == steps]
+
+
+def lora_rank_summary(runs: dict, n_train: int = RANK_SWEEP["n_train"], steps: int = RANK_SWEEP["steps"]) -> dict:
+    """Per LoRA rank of the word-order sweep: the seeds' test accuracy (mean and sample sd), test loss, training
+    accuracy, trainable parameters and the body's next-character loss after (merged), and the keys they came from."""
+    ranks = {}
+    for r in WORD_ORDER_RANKS:
+        keys = rank_sources(runs, r, n_train, steps)
+        if not keys:
+            continue
+        entries = [runs[k] for k in keys]
+        accs = [e["test_accuracy"] for e in entries]
+        ranks[str(r)] = {"r": r, "scale": LORA["alpha"] / r, "trainable_params": entries[0]["trainable_params"],
+                         "seeds": [e["seed"] for e in entries], "test_accuracy": accs,
+                         "mean": sig(statistics.fmean(accs)),
+                         "std": sig(statistics.stdev(accs)) if len(accs) > 1 else None,
+                         "test_loss": [e["test_loss"] for e in entries],
+                         "train_accuracy": [e["train_accuracy"] for e in entries],
+                         "lm_loss_after": [e["lm_loss"]["after"] for e in entries], "keys": keys}
+    return {"n_train": n_train, "steps": steps, "alpha": LORA["alpha"], "targets": LORA["targets"],
+            "lm_loss_before": lm_loss_before(runs), "ranks": ranks}
+
+
+def lm_loss_before(runs: dict) -> float | None:
+    """The body's next-character loss before fine-tuning, as the stored LoRA runs measured it."""
+    before = {e["lm_loss"]["before"] for k, e in runs.items() if k.startswith("word-order/") and e.get("lm_loss")}
+    return before.pop() if len(before) == 1 else None
+
+
+def word_order_rank(ranks, seeds, n_train: int, steps: int, skip_stored: bool) -> None:
+    """LoRA of each of ``ranks`` on ``n_train`` labels for ``steps`` steps, each seed; then the rank summary."""
+    stored = json.loads(OUT.read_text())["runs"] if skip_stored and OUT.is_file() else {}
+    for r in ranks:
+        for seed in seeds:
+            if any(k.endswith(f"/seed{seed}") for k in rank_sources(stored, r, n_train, steps)):
+                continue
+            entry, _ = run_classifier("gpt", "lora", seed, rank=r, task_name="word-order", n_train=n_train,
+                                      steps=steps)
+            cmd = command(f"{word_order_args(n_train, steps)} --entry rank --rank {r} --seed {seed}")
+            store(rank_key(r, seed, n_train), {"command": cmd, **entry, **environment()})
+            print(rank_key(r, seed, n_train), entry["test_accuracy"], entry["lm_loss"]["after"],
+                  entry["wall_seconds"], "s", flush=True)
+    runs = json.loads(OUT.read_text())["runs"]
+    store(f"word-order/lora-rank/n{n_train}/summary", {
+        "command": command(f"{word_order_args(n_train, steps)} --entry rank-summary"),
+        **lora_rank_summary(runs, n_train, steps)})
+
+
+def converged_probe(body: str, seed: int) -> None:
+    """The which-play diagnostic: the converged probe on ``body``'s frozen states, all training passages."""
+    entry, _ = run_classifier(body, "probe", seed, converged=True)
+    base = json.loads(OUT.read_text())["runs"].get("classification/baselines", {})
+    entry["ngram_accuracy"] = base.get("ngram_accuracy")
+    key = f"classification-converged-probe/{body}/seed{seed}"
+    store(key, {"command": command(f"--entry converged-probe --body {body} --seed {seed}"), **entry, **environment()})
+    print(key, entry["test_accuracy"], entry["config"]["probe"]["l2"], entry["wall_seconds"], "s", flush=True)
+
+
 def main_word_order(a) -> None:
     """``--task word-order``: baselines, fine-tunes, the summary, or (``--entry all``) ``WORD_ORDER_PLAN``."""
     if a.entry == "baselines":
@@ -437,6 +521,10 @@ def main_word_order(a) -> None:
                 word_order_classify(a.body, method, seed, a.n_train, a.steps)
     elif a.entry == "summary":
         store_word_order_summary()
+    elif a.entry in ("rank", "rank-summary"):
+        n_train, steps = a.n_train or RANK_SWEEP["n_train"], a.steps or RANK_SWEEP["steps"]
+        ranks = [] if a.entry == "rank-summary" else a.rank or WORD_ORDER_RANKS
+        word_order_rank(ranks, a.seed or [0, 1, 2], n_train, steps, a.skip_stored)
     elif a.entry == "all":  # --skip-stored: go on where an interrupted run stopped
         stored = json.loads(OUT.read_text())["runs"] if a.skip_stored and OUT.is_file() else {}
         for n_train in dict.fromkeys(n for n, _, _ in WORD_ORDER_PLAN):
@@ -451,22 +539,27 @@ def main_word_order(a) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--entry", choices=("classify", "baselines", "rank", "summary", "all"), default="classify")
+    p.add_argument("--entry", choices=("classify", "baselines", "rank", "rank-summary", "summary", "all",
+                                       "converged-probe"), default="classify")
     p.add_argument("--body", choices=BODIES, default="gpt")
     p.add_argument("--method", choices=METHODS, action="append")
     p.add_argument("--seed", type=int, action="append", help="seeds (default 0 1 2; rank: 0)")
-    p.add_argument("--rank", type=int, action="append", help=f"LoRA ranks for --entry rank (default {RANKS})")
+    p.add_argument("--rank", type=int, action="append",
+                   help=f"LoRA ranks for --entry rank (default {RANKS}; word-order: {WORD_ORDER_RANKS})")
     p.add_argument("--task", choices=TASKS, default="play", help="which play (default) or real vs word-shuffled")
     p.add_argument("--n-train", type=int, help="word-order: train on this many passages (balanced, seeded)")
     p.add_argument("--steps", type=int, help=f"word-order: fine-tuning steps (default {FINETUNE['steps']})")
-    p.add_argument("--skip-stored", action="store_true", help="word-order --entry all: skip entries already stored")
+    p.add_argument("--skip-stored", action="store_true",
+                   help="word-order --entry all or rank: skip entries already stored")
     a = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if a.task == "play" and (a.n_train is not None or a.steps is not None):
         p.error("--n-train and --steps are for --task word-order (the which-play entries use all passages)")
     if a.task == "word-order":
-        if a.entry == "rank":
-            p.error("--entry rank is for --task play")
+        if a.entry == "converged-probe":
+            p.error("--entry converged-probe is for --task play (word-order's probe is always converged)")
+        if a.entry == "rank" and any(r < 1 for r in a.rank or ()):
+            p.error(f"--rank must be positive integers, got {a.rank}")
         if a.steps is not None and a.steps < 1:
             p.error(f"--steps must be a positive integer, got {a.steps}")
         if a.n_train is not None:
@@ -475,6 +568,12 @@ def main(argv=None) -> None:
             except ValueError as err:
                 p.error(f"--n-train {a.n_train}: {err}")
         return main_word_order(a)
+    if a.entry == "rank-summary":
+        p.error("--entry rank-summary is for --task word-order")
+    if a.entry == "converged-probe":
+        for seed in a.seed or [0]:
+            converged_probe(a.body, seed)
+        return None
     if a.entry in ("baselines", "all"):
         store("classification/baselines", {"command": command("--entry baselines"), **run_baselines()})
     if a.entry == "classify":
