@@ -54,10 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("sections", nargs="*", metavar="section",
                        help=f"sections to run: {', '.join(SECTIONS)} (default: all of these); also "
                             f"{', '.join(OPTIONAL)} (minutes-long quality runs, only when named)")
-    from groundup import runs
+    from groundup import runs, sampling
 
     runs.add_train_parser(sub)
-    runs.add_sample_parser(sub)
+    sampling.add_sample_parser(sub)
     from groundup import finetuning
 
     finetuning.add_finetune_parser(sub)
