@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from groundup.generation import generate
 from groundup.pretrained import encode_chat
@@ -277,12 +278,8 @@ def instruction_batches(data: InstructionData, batch_size: int, context_length: 
     longest = max(len(data.ids[i]) for i in idx)
     if longest > context_length:
         raise ValueError(f"a batch holds an example of {longest} tokens, more than context_length {context_length}")
-    ids = torch.full((batch_size, longest), data.pad_id, dtype=torch.long)
-    targets = torch.full((batch_size, longest), IGNORE_INDEX, dtype=torch.long)
-    for row, i in enumerate(idx):
-        n = len(data.ids[i])
-        ids[row, :n] = data.ids[i]
-        targets[row, :n] = data.labels[i]
+    ids = pad_sequence([data.ids[i] for i in idx], batch_first=True, padding_value=data.pad_id)
+    targets = pad_sequence([data.labels[i] for i in idx], batch_first=True, padding_value=IGNORE_INDEX)
     return (ids,), targets
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from groundup.generation import beam_step, best_beam
 from groundup.utils import atomic_write_text
@@ -294,10 +295,8 @@ def collate(src_seqs, tgt_seqs=None, *, pad_id: int = PAD, start_id: int = START
         rows = [list(r) for r in rows]
         if not rows or any(len(r) == 0 for r in rows):
             raise ValueError("every sequence needs at least one token")
-        out = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
-        for i, r in enumerate(rows):
-            out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        return out
+        return pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True,
+                            padding_value=pad_id)
 
     src = pad(src_seqs)
     if tgt_seqs is None:
