@@ -253,7 +253,7 @@ def test_an_existing_run_is_not_overwritten(tmp_path):
 # --- resuming ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "sgd"])
 def test_resume_after_a_crash_ends_bit_for_bit_like_an_uninterrupted_run(tmp_path, monkeypatch, optimizer):
     """Bit for bit on any CPU: both runs do the same operations on the same numbers in the same process, Muon's
     bfloat16 products included; only the state between the steps goes through the checkpoint, exactly."""
@@ -409,8 +409,8 @@ def test_muon_step_is_pytorchs_muon_and_adamw_step(tmp_path):
 
 
 def test_optimizer_names_are_checked_and_states_do_not_mix(tmp_path):
-    with pytest.raises(ValueError, match="optimizer must be one of adamw, muon"):
-        config(optimizer="sgd")
+    with pytest.raises(ValueError, match="optimizer must be one of adamw, muon, sgd, got 'rmsprop'"):
+        config(optimizer="rmsprop")
     train(tiny_model(), pattern_data(), pattern_data(), config(max_steps=10, out_dir=tmp_path))
     opt = training.MuonAdamW(tiny_model(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     with pytest.raises(ValueError, match="optimizer state does not fit"):

@@ -71,10 +71,13 @@ class TrainConfig:
     applies to matrices only (:func:`param_groups`). ``optimizer="muon"`` updates the weight matrices of the
     blocks' linear layers with Muon instead (momentum, then the update orthogonalised by a Newton-Schulz
     iteration; PyTorch's ``torch.optim.Muon`` with its learning rate matched to AdamW's update size) and
-    everything else with AdamW (:class:`MuonAdamW`). ``grad_clip`` caps the global gradient norm (None: no
-    clipping). Every ``eval_interval`` steps (and at the last step) the validation loss is measured on
-    ``eval_batches`` batches of non-overlapping windows (None: the whole validation set), and a checkpoint is
-    written to ``out_dir`` (None: no checkpoints). ``resume=True`` continues from the checkpoint in ``out_dir``.
+    everything else with AdamW (:class:`MuonAdamW`). ``optimizer="sgd"`` is stochastic gradient descent (7.3)
+    with heavy-ball momentum ``beta1`` (``torch.optim.SGD``: ``b <- beta1 b + g``, ``θ <- θ - lr b``; ``beta1=0``
+    is plain SGD; ``beta2`` is unused) and ``weight_decay`` on the matrices, added to their gradient.
+    ``grad_clip`` caps the global gradient norm (None: no clipping). Every ``eval_interval`` steps (and at the last
+    step) the validation loss is measured on ``eval_batches`` batches of non-overlapping windows (None: the whole
+    validation set), and a checkpoint is written to ``out_dir`` (None: no checkpoints). ``resume=True`` continues
+    from the checkpoint in ``out_dir``.
 
     ``time_budget`` (seconds) trains for a fixed time instead: after the warm-up the cosine runs over the
     remaining time rather than the remaining steps, and training stops when the time is spent (``max_steps``
@@ -261,7 +264,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.param_groups = self.adamw.param_groups + self.muon.param_groups
 
 
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("adamw", "muon", "sgd")
 
 
 def _make_optimizer(model: nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -270,6 +273,9 @@ def _make_optimizer(model: nn.Module, config: TrainConfig, device: torch.device)
     if config.optimizer == "muon":
         return MuonAdamW(model, lr=config.learning_rate, betas=(config.beta1, config.beta2),
                          weight_decay=config.weight_decay, fused=fused)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(param_groups(model, config.weight_decay), lr=config.learning_rate,
+                               momentum=config.beta1, fused=fused)
     return torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.learning_rate,
                              betas=(config.beta1, config.beta2), fused=fused)
 
