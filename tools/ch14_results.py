@@ -3,6 +3,10 @@
     OMP_NUM_THREADS=1 python tools/ch14_results.py              # seeds 0, 1, 2 (about a minute each)
     OMP_NUM_THREADS=1 python tools/ch14_results.py --seed 1     # one seed
     python tools/ch14_results.py --windows                      # only re-read the windows off the stored curves
+    OMP_NUM_THREADS=1 MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default \
+        python tools/ch14_results.py --entry smollm2-copying    # SmolLM2's copying scores (about ten minutes)
+    ... --entry smollm2-lens                                    # SmolLM2's logit lens on validation text
+    ... --entry chapter7-lens                                   # chapter 7's logit lens on all validation text
 
 Each seed trains the two-layer attention-only transformer of :mod:`groundup.induction`'s measured recipe
 (``MODEL``: 2 layers x 4 heads, d_model 64, vocabulary 64, context 32, RoPE, untied; ``TRAINING``: batch 32,
@@ -42,6 +46,27 @@ with each head ablated alone, zero-ablated and mean-ablated, the means per posit
 repeated sequences (generator seed ``MEAN_SEED``); and with all heads of a layer zero-ablated at once. Layers
 and heads count from 0, as in the package.
 
+**SmolLM2 and chapter 7's model** (``--entry``, stored in the file's ``measurements`` section under the
+entry's name, not in ``runs``):
+
+* ``smollm2-copying``: for every one of SmolLM2's 30 x 9 heads, on ``COPY_TOKENS`` = 1024 token ids drawn
+  uniformly without replacement from the 49,152 (``torch.randperm`` with a generator seeded ``COPY_SEED``: the
+  same kind of tokens as the repeated-random-token test draws), the ranks of
+  :func:`groundup.interpretability.copying_ranks` (rank 0: the token's own logit is the top one of its column of
+  ``M^h``), summarised per head as ``copying`` (eq. 14.5: the fraction of rank 0), ``hits`` (that count),
+  ``top10`` (the fraction of rank < 10) and ``median_rank``; and the eigenvalue score
+  (:func:`~groundup.interpretability.ov_eigenvalue_scores`, on the whole vocabulary). A random circuit gives
+  ``copying`` about 1/49,152 and a median rank about 24,576.
+* ``smollm2-lens`` / ``chapter7-lens``: the logit lens (:func:`lens_statistics`) on windows of the validation
+  text (the last 10 % of the Shakespeare corpus, :func:`groundup.data.train_val_split`): ``LENS_WINDOWS`` = 32
+  windows of 129 SmolLM2 tokens spread evenly over it (128 predictions each, 4,096 in all), and for chapter 7's
+  model every whole window of 65 characters (its context) of it. Per stream entry ``l = 0 .. n_layers``:
+  ``top1`` (the fraction of positions where the lens's argmax is the next token; ``hits``, the counts per
+  window), ``prob`` (the mean probability of the next token), ``nll`` (its mean negative log-probability, nats)
+  and ``median_rank`` (of the next token among all, 0 = top); and ``solved`` (the fraction of positions the
+  model itself gets right) with ``first_stays`` (over those positions, the mean first entry from which the
+  lens's argmax is the next token at every later entry).
+
 Each entry records the command that made it and its wall time (not reproducible; everything else is, on one
 thread with the same arithmetic). Running a command again replaces its entry.
 """
@@ -60,15 +85,19 @@ from pathlib import Path
 import torch
 from results_file import add_entry
 
+from groundup.data import load_corpus, train_val_split
 from groundup.induction import AttentionOnlyConfig, in_context_loss, induction_batches, repeated_random_tokens
 from groundup.interpretability import (
     ablate_heads,
     attention_patterns,
     composition_scores,
+    copying_ranks,
     copying_scores,
     induction_scores,
     mean_head_outputs,
+    ov_eigenvalue_scores,
     previous_token_scores,
+    residual_stream,
 )
 from groundup.models import GPT
 from groundup.training import TrainConfig, train
@@ -82,6 +111,9 @@ HELD_OUT_SEED, MEAN_SEED = 1400, 1401
 N_HELD_OUT, N_MEAN = 256, 256
 PLATEAU_WINDOW = (0.25, 0.35)  # fractions of the run's steps
 DIGITS = 5
+COPY_TOKENS, COPY_SEED = 1024, 14
+LENS_WINDOWS, LENS_WINDOW_TOKENS = 32, 129  # SmolLM2: 32 windows of 129 tokens, 128 predictions each
+ENTRIES = ("smollm2-copying", "smollm2-lens", "chapter7-lens")
 
 
 def held_out(vocab_size: int, context_length: int, n_seq: int = N_HELD_OUT, seed: int = HELD_OUT_SEED):
@@ -206,9 +238,121 @@ def run_seed(seed: int, *, model: dict | None = None, training: dict | None = No
     return entry, net
 
 
-def store(key: str, entry: dict) -> None:
+# ---------------------------------------------------------------------------------------------------------------
+# SmolLM2 and chapter 7's model
+
+
+def copying_sample(vocab_size: int, n: int = COPY_TOKENS, seed: int = COPY_SEED) -> torch.Tensor:
+    """The token ids the copying scores are measured on: ``n`` of ``vocab_size``, uniformly, without replacement."""
+    return torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))[:n]
+
+
+def copying_table(model: GPT, tokens: torch.Tensor, *, layers=None, log=None) -> dict:
+    """Per-head summaries of :func:`~groundup.interpretability.copying_ranks` on ``tokens`` (lists [layer][head])."""
+    found = {"copying": [], "hits": [], "top10": [], "median_rank": [], "eigenvalue": []}
+    for layer in range(model.config.n_layers) if layers is None else layers:
+        ranks = copying_ranks(model, layer, tokens=tokens, chunk=512)
+        found["hits"].append([int(x) for x in (ranks == 0).sum(dim=1)])
+        found["copying"].append([round(h / ranks.shape[1], DIGITS) for h in found["hits"][-1]])
+        found["top10"].append([round(float(x), DIGITS) for x in (ranks < 10).float().mean(dim=1)])
+        found["median_rank"].append([int(x) for x in ranks.median(dim=1).values])  # the lower of the middle two
+        found["eigenvalue"].append([round(float(x), DIGITS) for x in ov_eigenvalue_scores(model, layer)])
+        if log:
+            log(f"layer {layer}: copying {found['copying'][-1]}, median rank {found['median_rank'][-1]}")
+    return found
+
+
+def lens_windows(ids: torch.Tensor, n_windows: int | None, length: int) -> torch.Tensor:
+    """``(n_windows, length)`` windows of the 1-D ``ids``, starting at evenly spaced offsets (``None``: every
+    whole non-overlapping window, from the start)."""
+    if n_windows is None:
+        n_windows = ids.numel() // length
+        return ids[:n_windows * length].view(n_windows, length)
+    stride = ids.numel() // n_windows
+    if stride < length:
+        raise ValueError(f"{n_windows} windows of {length} tokens do not fit in {ids.numel()} tokens")
+    return torch.stack([ids[k * stride:k * stride + length] for k in range(n_windows)])
+
+
+def lens_statistics(model: GPT, windows: torch.Tensor, *, batch: int = 4) -> dict:
+    """The logit lens (eq. 14.8) on ``windows (n, w + 1)`` of token ids, predicting tokens 1 .. w of each from
+    those before; summarised per stream entry (see the module docstring). One entry's logits at a time, ``batch``
+    windows at a time, so SmolLM2's 31 x 49,152 logits a position are never all held."""
+    n, entries = windows.shape[0], model.config.n_layers + 1
+    hits = torch.zeros(entries, n, dtype=torch.long)
+    right, prob, nll, rank = [], [], [], []  # per batch: (entries, positions)
+    for start in range(0, n, batch):
+        ids = windows[start:start + batch]
+        target = ids[:, 1:, None]
+        stream = residual_stream(model, ids[:, :-1])
+        cols = ([], [], [], [])
+        with torch.no_grad():
+            for layer, x in enumerate(stream):
+                logits = model.unembedding(model.final_norm(x)).float()
+                top = logits.argmax(dim=-1) == target[..., 0]  # (batch, w)
+                hits[layer, start:start + ids.shape[0]] = top.sum(dim=1)
+                own = logits.gather(-1, target)
+                logp = (own - logits.logsumexp(dim=-1, keepdim=True))[..., 0]
+                above = (logits > own).sum(dim=-1)  # how many tokens the lens puts above the right one
+                for col, value in zip(cols, (top, logp.exp(), -logp, above)):
+                    col.append(value.flatten())
+        for store_, col in zip((right, prob, nll, rank), cols):
+            store_.append(torch.stack(col))
+    right, prob, nll, rank = (torch.cat(x, dim=1) for x in (right, prob, nll, rank))
+    stays = right.flip(0).cummin(dim=0).values.flip(0)  # right from this entry to the last
+    solved = right[-1]
+    first = (~stays).sum(dim=0)[solved].float()  # the entries before it stays right
+    return {"n_windows": n, "window_tokens": windows.shape[1], "positions": right.shape[1],
+            "hits": hits.tolist(),
+            "top1": [round(float(x), DIGITS) for x in right.float().mean(dim=1)],
+            "prob": [round(float(x), DIGITS) for x in prob.double().mean(dim=1)],
+            "nll": [round(float(x), DIGITS) for x in nll.double().mean(dim=1)],
+            "median_rank": [int(x) for x in rank.median(dim=1).values],
+            "solved": round(float(solved.float().mean()), DIGITS),
+            "first_stays": round(float(first.mean()), DIGITS) if first.numel() else None}
+
+
+def validation_text() -> str:
+    """The validation text of both lenses: the last 10 % of the Shakespeare corpus."""
+    return train_val_split(load_corpus("shakespeare"))[1]
+
+
+def _arithmetic() -> dict:
+    return {"threads": torch.get_num_threads(), "mkl_cbwr": os.environ.get("MKL_CBWR"),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def measure(name: str) -> dict:
+    """Make the entry ``name`` (one of ``ENTRIES``); returns it, wall time included."""
+    tick = time.perf_counter()
+    if name == "chapter7-lens":
+        from groundup.training import chapter7_model
+
+        model, tok = chapter7_model()
+        windows = lens_windows(torch.tensor(tok.encode(validation_text())), None, model.config.context_length + 1)
+        entry = {"model": "chapter 7's GPT (groundup.training.chapter7_model)", "text": "validation, characters",
+                 **lens_statistics(model, windows, batch=64)}
+    else:
+        from groundup.pretrained import load_smollm2
+
+        model, tok = load_smollm2()
+        model.eval()
+        if name == "smollm2-copying":
+            tokens = copying_sample(model.config.vocab_size)
+            entry = {"model": "SmolLM2-135M-Instruct (groundup.pretrained.load_smollm2)",
+                     "tokens": {"n": tokens.numel(), "seed": COPY_SEED, "draw": "torch.randperm(vocab_size)[:n]"},
+                     **copying_table(model, tokens, log=lambda m: print(m, flush=True))}
+        else:
+            windows = lens_windows(torch.tensor(tok.encode(validation_text())), LENS_WINDOWS, LENS_WINDOW_TOKENS)
+            entry = {"model": "SmolLM2-135M-Instruct (groundup.pretrained.load_smollm2)",
+                     "text": "validation, SmolLM2 tokens, windows at evenly spaced offsets",
+                     **lens_statistics(model, windows)}
+    return {**entry, **_arithmetic(), "wall_seconds": round(time.perf_counter() - tick, 1)}
+
+
+def store(key: str, entry: dict, section: str = "runs") -> None:
     """Add one entry to the JSON file (several commands may run at once: see tools/results_file.py)."""
-    add_entry(OUT, key, entry, header={
+    add_entry(OUT, key, entry, section=section, header={
         "about": ("Induction-head runs for chapter 14 (one CPU thread each); see tools/ch14_results.py's docstring "
                   "for what is measured and the phase-change rule. Each entry says which command made it.")})
 
@@ -216,6 +360,8 @@ def store(key: str, entry: dict) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, action="append", help="a seed (repeatable; default: 0, 1, 2)")
+    p.add_argument("--entry", choices=ENTRIES, action="append",
+                   help="measure SmolLM2 or chapter 7's model instead of training (repeatable)")
     p.add_argument("--windows", action="store_true",
                    help="only recompute the stored runs' phase-change windows from their stored curves")
     args = p.parse_args(argv)
@@ -223,10 +369,18 @@ def main(argv=None) -> None:
         for key, pc in recompute_windows().items():
             print(f"{key}: {pc}")
         return
+    torch.set_num_threads(1)
+    if args.entry:
+        for name in args.entry:
+            entry = measure(name)
+            entry = {"command": ("OMP_NUM_THREADS=1 MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default "
+                                 f"python tools/ch14_results.py --entry {name}"), **entry}
+            store(name, entry, section="measurements")
+            print(f"{name}: {entry['wall_seconds']} s", {k: v for k, v in entry.items() if k != "hits"}, flush=True)
+        return
     for seed in args.seed or [0, 1, 2]:
         if seed < 0:
             p.error(f"--seed must be a non-negative integer, got {seed}")
-    torch.set_num_threads(1)
     for seed in args.seed or [0, 1, 2]:
         entry, _ = run_seed(seed)
         entry = {"command": f"OMP_NUM_THREADS=1 python tools/ch14_results.py --seed {seed}", **entry}

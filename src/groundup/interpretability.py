@@ -9,7 +9,8 @@ removes them when it is done, also on an error:
 * **the logit lens** (nostalgebraist 2020): :func:`logit_lens` decodes the stream after every block with the
   final norm and the unembedding;
 * **head scores** on attention patterns: :func:`previous_token_scores`, :func:`induction_scores`; and on the
-  weights: :func:`copying_scores`, :func:`ov_eigenvalue_scores`, :func:`composition_scores` (Elhage et al. 2021);
+  weights: :func:`copying_scores` (from :func:`copying_ranks`), :func:`ov_eigenvalue_scores`,
+  :func:`composition_scores` (Elhage et al. 2021);
 * **interventions**: :func:`ablate_heads` (zero or mean ablation, a context manager), :func:`remove_from_inputs`
   (one head's output taken out of what a later block's queries, keys or values read: composition tested by an
   intervention), :func:`patch_residual`
@@ -351,6 +352,34 @@ def _check_tokens(model: GPT, tokens) -> torch.Tensor | None:
     return tokens.long()
 
 
+def copying_ranks(model: GPT, layer: int, *, tokens: Sequence[int] | torch.Tensor | None = None,
+                  chunk: int = 1024) -> torch.Tensor:
+    """Where each token's own logit ranks in its column of each head's OV circuit (see :func:`copying_scores`).
+
+        rank_h(t) = #{s != t : M^h[s, t] >= M^h[t, t]}   (0: token t's own logit is the column's strict maximum)
+
+    with ``M^h = U N_f W_O^h W_V^h N W_Eᵀ``: how many other tokens head ``h``'s direct path raises at least as
+    much as ``t`` itself when it attends to ``t``. A random matrix gives ranks spread evenly over
+    ``0 .. vocab_size - 1``. ``tokens`` restricts the columns to those ids; ``chunk`` columns are computed at a
+    time. Returns ``(n_heads, n_tokens)`` (int64).
+    """
+    _check_model(model)
+    layer = _check_layer(model, layer)
+    tokens = _check_tokens(model, tokens)
+    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    ids = torch.arange(model.config.vocab_size) if tokens is None else tokens
+    ranks = torch.empty(model.config.n_heads, ids.numel(), dtype=torch.long)
+    for h, head in enumerate(_heads(model, layer)):
+        a, b = _ov_factors(model, layer, head, tokens)
+        for start in range(0, ids.numel(), chunk):
+            m = a @ b[:, start:start + chunk]  # (vocab, chunk)
+            own = ids[start:start + chunk]
+            diagonal = m[own, torch.arange(own.numel())]
+            ranks[h, start:start + own.numel()] = (m >= diagonal).sum(dim=0) - 1  # the diagonal counts itself
+    return ranks
+
+
 def copying_scores(model: GPT, layer: int, *, tokens: Sequence[int] | torch.Tensor | None = None,
                    chunk: int = 1024) -> torch.Tensor:
     """Each head's copying score: the fraction of tokens that its OV circuit, read straight out through the
@@ -366,25 +395,10 @@ def copying_scores(model: GPT, layer: int, *, tokens: Sequence[int] | torch.Tens
     vocabulary size. It is the *direct path* only: what later layers make of the head's output is ignored.
 
     ``tokens`` restricts the columns to those ids (SmolLM2's full matrix is 49,152²: pass a sample); ``chunk``
-    columns are computed at a time. Returns ``(n_heads,)``.
+    columns are computed at a time. The fraction of :func:`copying_ranks` equal to 0. Returns ``(n_heads,)``.
     """
-    _check_model(model)
-    layer = _check_layer(model, layer)
-    tokens = _check_tokens(model, tokens)
-    ids = torch.arange(model.config.vocab_size) if tokens is None else tokens
-    scores = []
-    for head in _heads(model, layer):
-        a, b = _ov_factors(model, layer, head, tokens)
-        hits = 0
-        for start in range(0, ids.numel(), chunk):
-            m = a @ b[:, start:start + chunk]  # (vocab, chunk)
-            own = ids[start:start + chunk]
-            cols = torch.arange(own.numel())
-            diagonal = m[own, cols]
-            m[own, cols] = float("-inf")
-            hits += int((diagonal > m.max(dim=0).values).sum())
-        scores.append(hits / ids.numel())
-    return torch.tensor(scores)
+    ranks = copying_ranks(model, layer, tokens=tokens, chunk=chunk)
+    return (ranks == 0).sum(dim=1) / ranks.shape[1]
 
 
 def ov_eigenvalue_scores(model: GPT, layer: int) -> torch.Tensor:
