@@ -1,0 +1,125 @@
+"""The learning-rate range test (chapter 7): train briefly while the learning rate grows exponentially.
+
+    lrs, losses = lr_range_test(model, train_ids, TrainConfig(batch_size=12), steps=150)
+    suggest_lr(lrs, losses)     # {"steepest": ..., "minimum_over_10": ...}
+
+Smith (2017, *Cyclical learning rates for training neural networks*) and fastai's ``lr_find``: start from a tiny
+learning rate ``lr_min`` and multiply it by the same factor at every step until it reaches ``lr_max``,
+
+    lr_k = lr_min * (lr_max / lr_min) ** (k / (steps - 1)),     k = 0 ... steps - 1,
+
+recording the training loss of each step's batch. While the rate is too small the loss barely moves; in a middle
+range it falls fast; past some rate it turns and explodes. Two rules of thumb read a peak learning rate off the
+curve: the rate where the (smoothed) loss falls fastest per factor of the learning rate, and a tenth of the rate
+where it is lowest. Both are heuristics from a run of a few hundred steps without warm-up or decay: they bracket
+a sensible peak for a real schedule, they do not choose it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+from groundup.data import get_batch
+from groundup.training import TrainConfig, _check_data, _make_optimizer
+
+__all__ = ["lr_range_test", "range_test_lrs", "smooth_losses", "suggest_lr"]
+
+
+def range_test_lrs(lr_min: float, lr_max: float, steps: int) -> list[float]:
+    """The ``steps`` learning rates of the test: ``lr_min`` to ``lr_max``, each the previous times one factor."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
+        raise ValueError(f"steps must be an integer >= 2, got {steps!r}")
+    for name, value in (("lr_min", lr_min), ("lr_max", lr_max)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if not lr_min < lr_max:
+        raise ValueError(f"lr_min ({lr_min}) must be smaller than lr_max ({lr_max})")
+    ratio = lr_max / lr_min
+    return [lr_min * ratio ** (k / (steps - 1)) for k in range(steps)]
+
+
+def lr_range_test(model: nn.Module, train_data, config: TrainConfig | None = None, *, lr_min: float = 1e-6,
+                  lr_max: float = 1.0, steps: int = 100, stop_factor: float | None = 4.0,
+                  smoothing: float = 0.98) -> tuple[list[float], list[float]]:
+    """Train a copy of ``model`` for up to ``steps`` steps at exponentially growing learning rates; ``(lrs, losses)``.
+
+    ``config`` supplies everything but the schedule: batch size, context length, optimizer and its settings, the
+    gradient clipping and the seed of the batch sampler (the default ``TrainConfig()``: AdamW as :func:`train`
+    uses it). Step ``k`` uses the learning rate ``range_test_lrs(lr_min, lr_max, steps)[k]`` for every parameter
+    group, and ``losses[k]`` is the training loss of its batch, measured before its update. The test stops early
+    (as fastai's does) once the smoothed loss (:func:`smooth_losses`) exceeds ``stop_factor`` times its lowest
+    value so far or a loss is not finite (that step is not recorded); ``stop_factor=None`` runs every step.
+    ``model`` itself is left untouched (the test trains a deep copy), and so is the global random state
+    (dropout draws from a saved and restored one).
+    """
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"model must be one of the book's models (GPT, ...), got {type(model).__name__}")
+    config = TrainConfig(progress=False) if config is None else config
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig or None, got {type(config).__name__}")
+    if stop_factor is not None and not (isinstance(stop_factor, (int, float)) and stop_factor > 1):
+        raise ValueError(f"stop_factor must be a number > 1 or None, got {stop_factor!r}")
+    lrs = range_test_lrs(lr_min, lr_max, steps)
+    n_c = config.context_length or model.config.context_length
+    if n_c > model.config.context_length:
+        raise ValueError(f"context_length {n_c} exceeds the model's context_length {model.config.context_length}")
+    train_data = _check_data("train_data", train_data, n_c)
+    device = next(model.parameters()).device
+    trial = copy.deepcopy(model).train()
+    optimizer = _make_optimizer(trial, config, device)
+    generator = torch.Generator().manual_seed(config.seed)
+    clip = config.grad_clip if config.grad_clip is not None else math.inf
+    recorded, smooth, best = [], 0.0, math.inf
+    with torch.random.fork_rng(devices=[]):
+        for k, lr in enumerate(lrs):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = get_batch(train_data, config.batch_size, n_c, generator=generator)
+            _, loss = trial(x.to(device), y.to(device))
+            value = loss.item()
+            if not math.isfinite(value):
+                break
+            recorded.append(value)
+            smooth = smoothing * smooth + (1 - smoothing) * value
+            smoothed = smooth / (1 - smoothing ** (k + 1))
+            best = min(best, smoothed)
+            if stop_factor is not None and smoothed > stop_factor * best:
+                break
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trial.parameters(), clip)
+            optimizer.step()
+    return lrs[:len(recorded)], recorded
+
+
+def smooth_losses(losses, smoothing: float = 0.98) -> list[float]:
+    """fastai's smoothing: an exponential moving average with weight ``smoothing`` on the past, divided by
+    ``1 - smoothing ** (k + 1)`` so that the first values are not pulled towards 0 (Adam's bias correction)."""
+    if not 0 <= smoothing < 1:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
+    out, avg = [], 0.0
+    for k, value in enumerate(losses):
+        avg = smoothing * avg + (1 - smoothing) * float(value)
+        out.append(avg / (1 - smoothing ** (k + 1)))
+    return out
+
+
+def suggest_lr(lrs, losses, smoothing: float = 0.98, skip_end: int = 5) -> dict:
+    """Two rules of thumb read off a range test: ``steepest`` (where the smoothed loss falls fastest against
+    log(lr), by central differences) and ``minimum_over_10`` (a tenth of the rate of the lowest smoothed loss);
+    also ``minimum`` itself. The last ``skip_end`` points, where the loss shoots up, are left out."""
+    if len(lrs) != len(losses):
+        raise ValueError(f"lrs and losses must be as long as each other, got {len(lrs)} and {len(losses)}")
+    smoothed = smooth_losses(losses, smoothing)
+    n = len(smoothed) - skip_end
+    if n < 3:
+        raise ValueError(f"need at least {skip_end + 3} points to suggest a learning rate, got {len(lrs)}")
+    logs = [math.log(lr) for lr in lrs]
+    slopes = [(smoothed[k + 1] - smoothed[k - 1]) / (logs[k + 1] - logs[k - 1]) for k in range(1, n - 1)]
+    steepest = 1 + min(range(len(slopes)), key=slopes.__getitem__)
+    lowest = min(range(n), key=smoothed.__getitem__)
+    return {"steepest": lrs[steepest], "minimum": lrs[lowest], "minimum_over_10": lrs[lowest] / 10}
