@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from groundup import interpretability as interp
 from groundup.induction import in_context_loss, repeated_random_tokens
+from groundup.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -116,3 +118,165 @@ def test_stored_entry_is_complete_and_consistent(key):
     for mode in ("zero", "mean"):
         table = entry["ablation"][mode]
         assert len(table) == 2 and all(len(row) == 4 and all(math.isfinite(x) for x in row) for row in table)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the SmolLM2 and chapter 7 measurements (--entry)
+
+MEASURED = STORED["measurements"]
+
+
+def _small_gpt(seed=0, vocab=23):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=vocab, context_length=16, d_model=24, n_layers=2, n_heads=4, norm="rmsnorm"))
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial norm gains, so that folding them in is tested
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def test_copying_ranks_count_the_tokens_above_the_diagonal_of_the_full_ov_matrix():
+    model = _small_gpt()
+    u, w_e = model.unembedding.weight.detach(), model.token_embedding.weight.detach()
+    gamma_f = model.final_norm.weight.detach()
+    for layer in range(2):
+        att, gamma = model.blocks[layer].attention, model.blocks[layer].norm_1.weight.detach()
+        expected = []
+        for h in range(4):
+            rows = slice(6 * h, 6 * h + 6)
+            m = (u * gamma_f) @ att.W_o.weight.detach()[:, rows] @ att.W_v.weight.detach()[rows] @ (w_e * gamma).T
+            # rank of the diagonal entry in its column, from a descending sort: its position
+            order = m.argsort(dim=0, descending=True)
+            expected.append([int((order[:, t] == t).nonzero()) for t in range(23)])
+        expected = torch.tensor(expected)
+        assert torch.equal(interp.copying_ranks(model, layer), expected)
+        assert torch.equal(interp.copying_ranks(model, layer, chunk=5), expected)
+        assert torch.equal(interp.copying_ranks(model, layer, tokens=[3, 0, 22]), expected[:, [3, 0, 22]])
+        torch.testing.assert_close(interp.copying_scores(model, layer), (expected == 0).float().mean(dim=1))
+        table = ch14_results.copying_table(model, torch.arange(23), layers=[layer])
+        assert table["hits"] == [(expected == 0).sum(dim=1).tolist()]
+        assert table["copying"] == [pytest.approx((expected == 0).float().mean(dim=1).tolist(), abs=1e-5)]
+        assert table["top10"] == [pytest.approx((expected < 10).float().mean(dim=1).tolist(), abs=1e-5)]
+        assert table["median_rank"] == [[sorted(row)[11] for row in expected.tolist()]]  # 23 values: the middle one
+        assert table["eigenvalue"] == [pytest.approx(interp.ov_eigenvalue_scores(model, layer).tolist(), abs=1e-5)]
+    with pytest.raises(ValueError, match="chunk"):
+        interp.copying_ranks(model, 0, chunk=0)
+
+
+def test_lens_windows_are_evenly_spaced_or_consecutive():
+    ids = torch.arange(100)
+    assert ch14_results.lens_windows(ids, 4, 10).tolist() == [list(range(s, s + 10)) for s in (0, 25, 50, 75)]
+    assert ch14_results.lens_windows(ids, None, 30).tolist() == [list(range(s, s + 30)) for s in (0, 30, 60)]
+    with pytest.raises(ValueError, match="do not fit"):
+        ch14_results.lens_windows(ids, 4, 26)
+
+
+def test_lens_statistics_match_the_logit_lens_position_by_position():
+    model = _small_gpt(1)
+    windows = torch.randint(0, 23, (5, 17), generator=torch.Generator().manual_seed(3))
+    found = ch14_results.lens_statistics(model, windows, batch=2, per_window=True)
+    assert found == ch14_results.lens_statistics(model, windows, batch=5, per_window=True)  # batching: no change
+    assert ch14_results.lens_statistics(model, windows) == {k: v for k, v in found.items() if k != "window_hits"}
+    lens = interp.logit_lens(model, windows[:, :-1])  # (3, 5, 16, 23)
+    target = windows[:, 1:]
+    probs = lens.softmax(dim=-1)
+    right = lens.argmax(dim=-1) == target
+    assert found["window_hits"] == right.sum(dim=2).tolist() and found["hits"] == right.sum(dim=(1, 2)).tolist()
+    assert found["positions"] == 80
+    for layer in range(3):
+        p = probs[layer].gather(-1, target[..., None])[..., 0]
+        assert found["top1"][layer] == pytest.approx(float(right[layer].float().mean()), abs=1e-5)
+        assert found["prob"][layer] == pytest.approx(float(p.mean()), abs=1e-5)
+        assert found["nll"][layer] == pytest.approx(float(-p.log().mean()), abs=1e-4)
+        ranks = sorted(int((probs[layer, b, i] > probs[layer, b, i, target[b, i]]).sum())
+                       for b in range(5) for i in range(16))
+        assert found["median_rank"][layer] == ranks[39]  # torch's median of 80 values: the lower middle one
+    # the first entry from which the lens stays right, by a plain loop over the positions the model gets right
+    firsts = [next(layer for layer in range(3) if right[layer:, b, i].all())
+              for b in range(5) for i in range(16) if right[-1, b, i]]
+    assert found["solved"] == pytest.approx(float(right[-1].float().mean()), abs=1e-5)
+    assert found["first_stays"] == pytest.approx(statistics.mean(firsts), abs=1e-5)
+
+
+def _command(entry, name):
+    words = shlex.split(entry["command"])
+    assert words == ["OMP_NUM_THREADS=1", "MKL_CBWR=COMPATIBLE", "ATEN_CPU_CAPABILITY=default", "python",
+                     "tools/ch14_results.py", "--entry", name]
+    assert entry["threads"] == 1 and entry["mkl_cbwr"] == "COMPATIBLE" and entry["wall_seconds"] > 0
+
+
+def test_the_stored_measurements_are_the_three_entries():
+    assert sorted(MEASURED) == sorted(ch14_results.ENTRIES)
+
+
+def test_stored_smollm2_copying_is_complete_and_consistent():
+    entry = MEASURED["smollm2-copying"]
+    _command(entry, "smollm2-copying")
+    n = ch14_results.COPY_TOKENS
+    assert entry["tokens"] == {"n": n, "seed": ch14_results.COPY_SEED, "draw": "torch.randperm(vocab_size)[:n]"}
+    for name in ("copying", "hits", "top10", "median_rank", "eigenvalue"):
+        assert len(entry[name]) == 30 and all(len(row) == 9 for row in entry[name])
+    for hits, copying, top10, rank, eig in zip(*(entry[k] for k in ("hits", "copying", "top10", "median_rank",
+                                                                     "eigenvalue"))):
+        assert copying == pytest.approx([h / n for h in hits], abs=1e-5)
+        assert all(c <= t <= 1 for c, t in zip(copying, top10))  # rank 0 is among the top 10
+        assert all(0 <= r < 49152 for r in rank) and all(-1 <= e <= 1 for e in eig)
+        assert all((r < 10) <= (t >= 0.5) for r, t in zip(rank, top10))  # median rank < 10: half are in the top 10
+
+
+def _lens_is_consistent(entry, n_entries):
+    assert entry["positions"] == entry["n_windows"] * (entry["window_tokens"] - 1)
+    for name in ("top1", "prob", "nll", "median_rank", "hits"):
+        assert len(entry[name]) == n_entries
+    for hits, top1, prob, nll in zip(entry["hits"], entry["top1"], entry["prob"], entry["nll"]):
+        assert top1 == pytest.approx(hits / entry["positions"], abs=1e-5)
+        assert 0 <= top1 <= 1 and 0 < prob <= 1
+        assert nll >= -math.log(prob) - 1e-4  # Jensen: the mean of -ln p is at least -ln of the mean p
+    assert entry["solved"] == entry["top1"][-1]  # the last entry is the model's own prediction
+    assert 0 <= entry["first_stays"] <= n_entries - 1
+
+
+def test_stored_lenses_are_complete_and_consistent():
+    smol = MEASURED["smollm2-lens"]
+    _command(smol, "smollm2-lens")
+    assert (smol["n_windows"], smol["window_tokens"]) == (ch14_results.LENS_WINDOWS, ch14_results.LENS_WINDOW_TOKENS)
+    _lens_is_consistent(smol, 31)
+    assert [sum(row) for row in smol["window_hits"]] == smol["hits"]
+    assert all(len(row) == smol["n_windows"] and all(0 <= h < smol["window_tokens"] for h in row)
+               for row in smol["window_hits"])
+    assert smol["median_rank"][-1] < smol["median_rank"][1] < smol["median_rank"][0]  # the lens sharpens
+    ch7 = MEASURED["chapter7-lens"]
+    _command(ch7, "chapter7-lens")
+    assert "window_hits" not in ch7  # 7,780 windows: only the totals are stored
+    assert ch7["window_tokens"] == 65 and ch7["n_windows"] == len(ch14_results.validation_text()) // 65
+    _lens_is_consistent(ch7, 5)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from groundup.pretrained import load_smollm2
+
+    torch.set_num_threads(1)
+    model, tok = load_smollm2()
+    return model.eval(), tok
+
+
+def test_smollm2_lens_first_window_recomputed(smollm2):
+    model, tok = smollm2
+    entry = MEASURED["smollm2-lens"]
+    windows = ch14_results.lens_windows(torch.tensor(tok.encode(ch14_results.validation_text())),
+                                        entry["n_windows"], entry["window_tokens"])
+    found = ch14_results.lens_statistics(model, windows[:1])
+    stored = [row[0] for row in entry["window_hits"]]
+    # another arithmetic may flip a near tie: allow one position per entry
+    assert all(abs(a - b) <= 1 for a, b in zip(found["hits"], stored)), (found["hits"], stored)
+
+
+def test_smollm2_copying_of_one_layer_recomputed(smollm2):
+    model, _ = smollm2
+    entry = MEASURED["smollm2-copying"]
+    tokens = ch14_results.copying_sample(model.config.vocab_size)
+    found = ch14_results.copying_table(model, tokens, layers=[18])
+    assert all(abs(a - b) <= 1 for a, b in zip(found["hits"][0], entry["hits"][18]))
+    assert found["eigenvalue"][0] == pytest.approx(entry["eigenvalue"][18], abs=1e-4)

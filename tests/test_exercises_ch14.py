@@ -145,6 +145,13 @@ def test_find_refuses_the_packages_scores(capsys):
     ok, out = verdict(check_find_induction_circuit, by_composition, capsys)
     assert not ok and "composition_scores" in out
 
+    def by_copying_ranks(model, tokens):  # the heads whose OV circuits rank their own tokens highest
+        best = [int(interp.copying_ranks(model, layer).float().mean(1).argmin()) for layer in range(2)]
+        return (0, best[0]), (1, best[1])
+
+    ok, out = verdict(check_find_induction_circuit, by_copying_ranks, capsys)
+    assert not ok and "copying_ranks" in out
+
 
 # --- Exercise 14.2 -------------------------------------------------------------------------------------------
 

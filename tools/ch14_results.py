@@ -61,11 +61,11 @@ entry's name, not in ``runs``):
   text (the last 10 % of the Shakespeare corpus, :func:`groundup.data.train_val_split`): ``LENS_WINDOWS`` = 32
   windows of 129 SmolLM2 tokens spread evenly over it (128 predictions each, 4,096 in all), and for chapter 7's
   model every whole window of 65 characters (its context) of it. Per stream entry ``l = 0 .. n_layers``:
-  ``top1`` (the fraction of positions where the lens's argmax is the next token; ``hits``, the counts per
-  window), ``prob`` (the mean probability of the next token), ``nll`` (its mean negative log-probability, nats)
-  and ``median_rank`` (of the next token among all, 0 = top); and ``solved`` (the fraction of positions the
-  model itself gets right) with ``first_stays`` (over those positions, the mean first entry from which the
-  lens's argmax is the next token at every later entry).
+  ``top1`` (the fraction of positions where the lens's argmax is the next token; ``hits``, their number; for
+  SmolLM2 also ``window_hits``, the numbers per window), ``prob`` (the mean probability of the next token),
+  ``nll`` (its mean negative log-probability, nats) and ``median_rank`` (of the next token among all, 0 = top);
+  and ``solved`` (the fraction of positions the model itself gets right) with ``first_stays`` (over those
+  positions, the mean first entry from which the lens's argmax is the next token at every later entry).
 
 Each entry records the command that made it and its wall time (not reproducible; everything else is, on one
 thread with the same arithmetic). Running a command again replaces its entry.
@@ -274,10 +274,12 @@ def lens_windows(ids: torch.Tensor, n_windows: int | None, length: int) -> torch
     return torch.stack([ids[k * stride:k * stride + length] for k in range(n_windows)])
 
 
-def lens_statistics(model: GPT, windows: torch.Tensor, *, batch: int = 4) -> dict:
+def lens_statistics(model: GPT, windows: torch.Tensor, *, batch: int = 4, per_window: bool = False) -> dict:
     """The logit lens (eq. 14.8) on ``windows (n, w + 1)`` of token ids, predicting tokens 1 .. w of each from
-    those before; summarised per stream entry (see the module docstring). One entry's logits at a time, ``batch``
-    windows at a time, so SmolLM2's 31 x 49,152 logits a position are never all held."""
+    those before; summarised per stream entry (see the module docstring). ``hits``: per entry, the positions where
+    the lens's argmax is the next token; with ``per_window`` also ``window_hits``, those counts per window. One
+    entry's logits at a time, ``batch`` windows at a time, so SmolLM2's 31 x 49,152 logits a position are never
+    all held."""
     n, entries = windows.shape[0], model.config.n_layers + 1
     hits = torch.zeros(entries, n, dtype=torch.long)
     right, prob, nll, rank = [], [], [], []  # per batch: (entries, positions)
@@ -303,7 +305,7 @@ def lens_statistics(model: GPT, windows: torch.Tensor, *, batch: int = 4) -> dic
     solved = right[-1]
     first = (~stays).sum(dim=0)[solved].float()  # the entries before it stays right
     return {"n_windows": n, "window_tokens": windows.shape[1], "positions": right.shape[1],
-            "hits": hits.tolist(),
+            "hits": hits.sum(dim=1).tolist(), **({"window_hits": hits.tolist()} if per_window else {}),
             "top1": [round(float(x), DIGITS) for x in right.float().mean(dim=1)],
             "prob": [round(float(x), DIGITS) for x in prob.double().mean(dim=1)],
             "nll": [round(float(x), DIGITS) for x in nll.double().mean(dim=1)],
@@ -346,7 +348,7 @@ def measure(name: str) -> dict:
             windows = lens_windows(torch.tensor(tok.encode(validation_text())), LENS_WINDOWS, LENS_WINDOW_TOKENS)
             entry = {"model": "SmolLM2-135M-Instruct (groundup.pretrained.load_smollm2)",
                      "text": "validation, SmolLM2 tokens, windows at evenly spaced offsets",
-                     **lens_statistics(model, windows)}
+                     **lens_statistics(model, windows, per_window=True)}
     return {**entry, **_arithmetic(), "wall_seconds": round(time.perf_counter() - tick, 1)}
 
 

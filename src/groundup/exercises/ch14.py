@@ -91,12 +91,12 @@ def check_find_induction_circuit(fn: Callable) -> Verdict:
     """Exercise 14.1: ``fn(model, tokens) -> ((prev_layer, prev_head), (ind_layer, ind_head))``: the
     previous-token head and the induction head of a two-layer model, found from its attention patterns on the
     repeated sequences ``tokens`` with the reader's own scores (the package's ``previous_token_scores`` and
-    ``induction_scores`` are refused, and so are the weight scores ``composition_scores``, ``copying_scores``
-    and ``ov_eigenvalue_scores``). The models are the hand-built induction model with its heads in four
-    different orders and two sizes, in a shuffled order, on freshly drawn sequences; its decoy heads have larger
-    weights than the planted ones, so guessing from the size of the weights fails."""
+    ``induction_scores`` are refused, and so are the weight scores ``composition_scores``, ``copying_scores``,
+    ``copying_ranks`` and ``ov_eigenvalue_scores``). The models are the hand-built induction model with its heads
+    in four different orders and two sizes, in a shuffled order, on freshly drawn sequences; its decoy heads have
+    larger weights than the planted ones, so guessing from the size of the weights fails."""
     forbid = (interp.previous_token_scores, interp.induction_scores, interp.composition_scores,
-              interp.copying_scores, interp.ov_eigenvalue_scores)
+              interp.copying_scores, interp.copying_ranks, interp.ov_eigenvalue_scores)
 
     def checks():
         seed = _fresh_seed()
