@@ -14,7 +14,7 @@ import torch
 
 from groundup.data import get_batch
 from groundup.loss_law import fit_loss_law, predict_loss
-from groundup.lr_range import lr_range_test, range_test_lrs, smooth_losses, suggest_lr
+from groundup.lr_range import lr_range_test, moving_average, range_test_lrs, smooth_losses, suggest_lr
 from groundup.models import GPT, GPTConfig
 from groundup.training import TrainConfig, param_groups
 
@@ -120,12 +120,24 @@ def test_smooth_losses_is_a_bias_corrected_moving_average():
     assert smooth_losses(values, 0.0) == values
 
 
+def test_moving_average_is_centred_and_shrinks_at_the_ends():
+    values = [4.0, 1.0, 2.0, 8.0, 5.0]
+    assert moving_average(values, 3) == pytest.approx([2.5, 7 / 3, 11 / 3, 5.0, 6.5])
+    assert moving_average(values, 1) == values
+    inner = torch.nn.functional.avg_pool1d(torch.tensor([values]), 3, stride=1)[0].tolist()
+    assert moving_average(values, 3)[1:-1] == pytest.approx(inner)
+    ramp = list(range(20))  # a centred average leaves a straight line where it is: no lag
+    assert moving_average(ramp, 9)[4:-4] == pytest.approx(ramp[4:-4])
+    with pytest.raises(ValueError, match="odd"):
+        moving_average(values, 4)
+
+
 def test_suggest_lr_finds_the_steepest_fall_and_the_minimum_of_a_known_curve():
     lrs = range_test_lrs(1e-5, 1.0, 101)  # log10(lr) = -5 + k / 20
     # a loss that falls like a logistic centred on lr = 1e-3 (k = 40), then rises after lr = 1e-1 (k = 80)
     losses = [3 - 2 / (1 + math.exp(-(math.log10(lr) + 3) * 4)) + 50 * max(0.0, math.log10(lr) + 1) ** 2
               for lr in lrs]
-    s = suggest_lr(lrs, losses, smoothing=0.0, skip_end=5)
+    s = suggest_lr(lrs, losses, window=1, skip_end=5)
     assert s["steepest"] == pytest.approx(1e-3, rel=1e-9)
     lowest = min(range(96), key=losses.__getitem__)
     assert s["minimum"] == lrs[lowest] and s["minimum_over_10"] == pytest.approx(lrs[lowest] / 10)
@@ -276,4 +288,4 @@ def test_stored_range_tests_suggest_what_their_losses_say():
             lrs = range_test_lrs(entry["lr_min"], entry["lr_max"], entry["steps"])[:run["stopped_at"]]
             assert len(run["losses"]) == run["stopped_at"]
             again = suggest_lr(lrs, run["losses"])
-            assert run["suggestions"] == pytest.approx(again, rel=2e-3)
+            assert run["suggestions"] == pytest.approx(again, rel=5e-3)  # stored to 3 significant digits

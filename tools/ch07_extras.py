@@ -58,6 +58,8 @@ SPEED_SHAPES = {  # name: (corpus, model shape, batch size, steps per round and 
     "wider (d_M 384, 4 layers, context 128, batch 8)": ("tinyshakespeare", WIDE, 8, 2),
 }
 MATMUL_SIZES = (128, 512, 2048)
+SUGGESTIONS_RULE = ("groundup.lr_range.suggest_lr on the stored losses: centred moving average of 9 steps, the last 5 "
+                    "steps left out; steepest = fastest fall against log lr, minimum_over_10 = a tenth of the lowest")
 ENTRIES = ("bf16-speed", "bf16-training", "accumulation-speed", "lr-range")
 
 
@@ -236,7 +238,7 @@ def lr_range() -> dict:
     setups = {"shape B": ("tinyshakespeare", SHAPE_B, 8, 2e-3), "chapter 7": ("shakespeare", CHAPTER7_MODEL, 12, 3e-3)}
     result = {"machine": machine(), "steps": RANGE_STEPS, "lr_min": RANGE_LR[0], "lr_max": RANGE_LR[1],
               "optimizer": "adamw, betas (0.9, 0.99), weight decay 0.1 on matrices, clipping at 1, no warm-up",
-              "stop_factor": 4.0, "setups": {}}
+              "stop_factor": 4.0, "suggestions_rule": SUGGESTIONS_RULE, "setups": {}}
     for label, (name, shape, batch, tuned) in setups.items():
         tokenizer, train_ids, _ = corpus(name)
         runs = {}

@@ -10,15 +10,17 @@ learning rate ``lr_min`` and multiply it by the same factor at every step until 
 
 recording the training loss of each step's batch. While the rate is too small the loss barely moves; in a middle
 range it falls fast; past some rate it turns and explodes. Two rules of thumb read a peak learning rate off the
-curve: the rate where the (smoothed) loss falls fastest per factor of the learning rate, and a tenth of the rate
-where it is lowest. Both are heuristics from a run of a few hundred steps without warm-up or decay: they bracket
-a sensible peak for a real schedule, they do not choose it.
+curve (averaged over neighbouring steps): the rate where the loss falls fastest per factor of the learning rate,
+and a tenth of the rate where it is lowest. Both are heuristics read off one short run without warm-up or decay,
+in which the loss at step k also reflects the training done at every smaller rate before it: a starting point for
+tuning the peak of a real schedule, not a replacement for it (chapter 7 compares them with tuned peaks).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import statistics
 
 import torch
 from torch import nn
@@ -26,7 +28,7 @@ from torch import nn
 from groundup.data import get_batch
 from groundup.training import TrainConfig, _check_data, _make_optimizer
 
-__all__ = ["lr_range_test", "range_test_lrs", "smooth_losses", "suggest_lr"]
+__all__ = ["lr_range_test", "range_test_lrs", "smooth_losses", "moving_average", "suggest_lr"]
 
 
 def range_test_lrs(lr_min: float, lr_max: float, steps: int) -> list[float]:
@@ -108,18 +110,28 @@ def smooth_losses(losses, smoothing: float = 0.98) -> list[float]:
     return out
 
 
-def suggest_lr(lrs, losses, smoothing: float = 0.98, skip_end: int = 5) -> dict:
-    """Two rules of thumb read off a range test: ``steepest`` (where the smoothed loss falls fastest against
-    log(lr), by central differences) and ``minimum_over_10`` (a tenth of the rate of the lowest smoothed loss);
-    also ``minimum`` itself. The last ``skip_end`` points, where the loss shoots up, are left out."""
+def moving_average(losses, window: int = 9) -> list[float]:
+    """The mean of each loss and its ``window // 2`` neighbours on either side (fewer at the ends): a centred
+    average, so unlike :func:`smooth_losses` it does not shift the curve towards later steps (an exponential
+    average with weight 0.98 on the past trails its input by about 50 steps, here a factor of 100 in the rate)."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1 or window % 2 == 0:
+        raise ValueError(f"window must be an odd positive integer, got {window!r}")
+    values, half = [float(v) for v in losses], window // 2
+    return [statistics.fmean(values[max(0, k - half):k + half + 1]) for k in range(len(values))]
+
+
+def suggest_lr(lrs, losses, window: int = 9, skip_end: int = 5) -> dict:
+    """Rules of thumb read off a range test's curve, averaged by :func:`moving_average`: ``steepest`` (where the
+    loss falls fastest against log(lr), by central differences), ``minimum`` (the rate of the lowest loss) and
+    ``minimum_over_10`` (a tenth of it). The last ``skip_end`` points, where the loss shoots up, are left out."""
     if len(lrs) != len(losses):
         raise ValueError(f"lrs and losses must be as long as each other, got {len(lrs)} and {len(losses)}")
-    smoothed = smooth_losses(losses, smoothing)
-    n = len(smoothed) - skip_end
+    averaged = moving_average(losses, window)
+    n = len(averaged) - skip_end
     if n < 3:
         raise ValueError(f"need at least {skip_end + 3} points to suggest a learning rate, got {len(lrs)}")
     logs = [math.log(lr) for lr in lrs]
-    slopes = [(smoothed[k + 1] - smoothed[k - 1]) / (logs[k + 1] - logs[k - 1]) for k in range(1, n - 1)]
+    slopes = [(averaged[k + 1] - averaged[k - 1]) / (logs[k + 1] - logs[k - 1]) for k in range(1, n - 1)]
     steepest = 1 + min(range(len(slopes)), key=slopes.__getitem__)
-    lowest = min(range(n), key=smoothed.__getitem__)
+    lowest = min(range(n), key=averaged.__getitem__)
     return {"steepest": lrs[steepest], "minimum": lrs[lowest], "minimum_over_10": lrs[lowest] / 10}
