@@ -207,6 +207,31 @@ def test_accumulated_micro_batches_give_the_whole_batchs_gradient_and_loss():
         tool.accumulate_gradients(model, x, y, 3)
 
 
+def test_autocast_forward_casts_each_call_and_one_context_keeps_stale_weights():
+    model = tiny_model()
+    x = torch.randint(0, 12, (2, 16), generator=torch.Generator().manual_seed(0))
+    tool.autocast_forward(model)
+    logits, loss = model(x, x)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    assert not torch.is_autocast_enabled("cpu")  # the context ended with the call
+    del model.forward
+    assert model(x)[0].dtype == torch.float32
+    # the pitfall the tool's third side measures: one context caches the bfloat16 weights of its first use
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4, bias=False)
+    v = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = lin(v)
+        with torch.no_grad():
+            lin.weight.mul_(0.5)
+        stale = lin(v)
+    assert torch.equal(first, stale)
+    tool.autocast_forward(lin)
+    fresh = lin(v)
+    torch.testing.assert_close(fresh.float(), (v @ lin.weight.T).float(), rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(fresh.float(), first.float(), rtol=0.1)
+
+
 def test_alternate_times_every_side_once_per_round_in_turn_and_summary_takes_medians():
     calls = []
     times = tool.alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3)
@@ -267,7 +292,9 @@ def test_stored_bf16_speed_holds_its_medians_ratios_and_machine():
 def test_stored_bf16_training_means_are_its_runs():
     entry = stored("bf16_training")
     assert "ATEN_CPU_CAPABILITY=default" in entry["command"] and "MKL_CBWR=COMPATIBLE" in entry["command"]
-    for side in ("float32", "bfloat16 autocast"):
+    assert set(entry["runs"]) == {f"{side}/seed{s}" for side in tool.SIDES[:2] for s in tool.SEEDS} | {
+        f"{tool.SIDES[2]}/seed0"}
+    for side in tool.SIDES[:2]:
         finals = [entry["runs"][f"{side}/seed{s}"]["full_val_loss_float32"] for s in tool.SEEDS]
         assert entry["final_mean"][side] == pytest.approx(statistics.fmean(finals), abs=1e-5)
         assert entry["final_sd"][side] == pytest.approx(statistics.stdev(finals), abs=1e-5)
