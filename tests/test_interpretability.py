@@ -12,6 +12,7 @@ from groundup.interpretability import (
     attention_patterns,
     composition_scores,
     copying_scores,
+    direct_logit_attribution,
     head_matrices,
     head_outputs,
     induction_scores,
@@ -432,3 +433,55 @@ def test_remove_from_inputs_changes_only_the_chosen_paths():
     with pytest.raises(ValueError, match="paths"):
         with remove_from_inputs(model, (0, 0), 1, "x"):
             pass
+
+
+# ---- direct logit attribution --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [{}, {"norm": "rmsnorm", "positional": "rope", "n_kv_heads": 2, "bias": False,
+                                            "activation": "swiglu", "tie_weights": True}])
+@pytest.mark.parametrize("centred", [False, True])
+def test_direct_logit_attribution_adds_up_to_the_models_logits(overrides, centred):
+    model, idx = _gpt(**overrides), _ids()
+    targets = _ids(seed=5)
+    with torch.no_grad():
+        logits, _ = model(idx)
+    if centred:
+        logits = logits - logits.mean(-1, keepdim=True)
+    expected = logits.gather(-1, targets[..., None])[..., 0]
+    parts = direct_logit_attribution(model, idx, targets, centred=centred)
+    assert parts["heads"].shape == (2, 4, 3, 10) and parts["rest"].shape == (2, 3, 10)
+    total = parts["embedding"] + parts["heads"].sum((0, 1)) + parts["rest"].sum(0) + parts["bias"]
+    torch.testing.assert_close(total, expected, atol=2e-4, rtol=1e-4)
+    assert _no_hooks(model)
+
+
+def test_direct_logit_attribution_of_one_head_by_hand():
+    """Head 1.2's part, from its output, W_O's columns, the frozen LayerNorm divisor and the unembedding."""
+    model, idx, targets = _gpt(), _ids(), _ids(seed=5)
+    parts = direct_logit_attribution(model, idx, targets)
+    z = head_outputs(model, idx)[1][..., 2, :]  # (batch, seq, d_head)
+    w_o = model.blocks[1].attention.W_o.weight.detach()[:, 8:12]
+    x = residual_stream(model, idx)[-1]
+    sigma = (x.var(-1, unbiased=False, keepdim=True) + model.final_norm.eps).sqrt()
+    c = z @ w_o.T
+    normed = model.final_norm.weight.detach() * (c - c.mean(-1, keepdim=True)) / sigma
+    by_hand = (normed * model.unembedding.weight.detach()[targets]).sum(-1)
+    torch.testing.assert_close(parts["heads"][1, 2], by_hand, atol=1e-5, rtol=1e-5)
+    # an attention-only model without biases has no rest: every block is its heads
+    attn_only = GPT(AttentionOnlyConfig(vocab_size=11, context_length=12, d_model=16, n_layers=2, n_heads=4,
+                                        bias=False)).eval()
+    rest = direct_logit_attribution(attn_only, idx, targets)["rest"]
+    assert rest.abs().max() < 1e-6
+
+
+def test_direct_logit_attribution_errors():
+    model, idx = _gpt(), _ids()
+    with pytest.raises(ValueError, match="shaped like idx"):
+        direct_logit_attribution(model, idx, idx[:, :3])
+    with pytest.raises(ValueError, match="token ids in 0 .. 10"):
+        direct_logit_attribution(model, idx, idx + 11)
+    with pytest.raises(TypeError, match="centred"):
+        direct_logit_attribution(model, idx, idx, centred=1)
+    with pytest.raises(ValueError, match="Pre-LN"):
+        direct_logit_attribution(_gpt(norm_position="post"), idx, idx)

@@ -7,7 +7,8 @@ removes them when it is done, also on an error:
 * **reading**: :func:`attention_patterns` (every head's attention weights), :func:`residual_stream` (the stream
   after the embedding and after every block), :func:`head_outputs` (each head's output before ``W_o``);
 * **the logit lens** (nostalgebraist 2020): :func:`logit_lens` decodes the stream after every block with the
-  final norm and the unembedding;
+  final norm and the unembedding; :func:`direct_logit_attribution` splits a logit into what each head, each
+  block's rest and the embeddings write into it (the final norm's divisor frozen);
 * **head scores** on attention patterns: :func:`previous_token_scores`, :func:`induction_scores`; and on the
   weights: :func:`copying_scores` (from :func:`copying_ranks`), :func:`ov_eigenvalue_scores`,
   :func:`composition_scores` (Elhage et al. 2021);
@@ -148,6 +149,41 @@ def attention_patterns(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
     return [recorded[i] for i in range(model.config.n_layers)]
 
 
+def _record(model: GPT, idx: torch.Tensor, *, stream: bool, heads: bool):
+    """One forward pass that records the residual stream and / or each head's output (the hooks of
+    :func:`residual_stream` and :func:`head_outputs`), in eval mode without gradients."""
+    _check_model(model)
+    c = model.config
+    entries: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}
+
+    def first(module, args):
+        entries[0] = args[0].detach()
+
+    def make_after(layer):
+        def after(module, args, output):
+            entries[layer + 1] = output.detach()
+        return after
+
+    def make_pre(layer):
+        def pre(module, args):
+            x = args[0]
+            outputs[layer] = x.detach().reshape(*x.shape[:-1], c.n_heads, x.shape[-1] // c.n_heads)
+        return pre
+
+    with _inspecting(model), _hooks() as handles:
+        if stream:
+            handles.append(model.blocks[0].register_forward_pre_hook(first))
+        for layer, block in enumerate(model.blocks):
+            if stream:
+                handles.append(block.register_forward_hook(make_after(layer)))
+            if heads:
+                handles.append(block.attention.W_o.register_forward_pre_hook(make_pre(layer)))
+        model(idx)
+    return ([entries[i] for i in range(c.n_layers + 1)] if stream else None,
+            [outputs[i] for i in range(c.n_layers)] if heads else None)
+
+
 def residual_stream(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
     """The residual stream for token ids ``idx (batch, seq)``: ``n_layers + 1`` tensors ``(batch, seq, d_model)``.
 
@@ -155,23 +191,7 @@ def residual_stream(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
     of block ``l - 1``; the last is what the final norm and the unembedding turn into the logits. Read by a
     forward pre-hook on block 0 and a forward hook on every block. Eval mode, no gradients.
     """
-    _check_model(model)
-    stream: dict[int, torch.Tensor] = {}
-
-    def first(module, args):
-        stream[0] = args[0].detach()
-
-    def make_after(layer):
-        def after(module, args, output):
-            stream[layer + 1] = output.detach()
-        return after
-
-    with _inspecting(model), _hooks() as handles:
-        handles.append(model.blocks[0].register_forward_pre_hook(first))
-        for layer, block in enumerate(model.blocks):
-            handles.append(block.register_forward_hook(make_after(layer)))
-        model(idx)
-    return [stream[i] for i in range(model.config.n_layers + 1)]
+    return _record(model, idx, stream=True, heads=False)[0]
 
 
 def head_outputs(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
@@ -182,21 +202,7 @@ def head_outputs(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
     attention output is ``W_o(out.flatten(-2))``, so head ``h`` contributes ``W_O^h out[..., h, :]`` (plus its
     share of nothing: the bias ``b_O`` belongs to no head). Eval mode, no gradients.
     """
-    _check_model(model)
-    recorded: dict[int, torch.Tensor] = {}
-    c = model.config
-
-    def make_pre(layer):
-        def pre(module, args):
-            x = args[0]
-            recorded[layer] = x.detach().reshape(*x.shape[:-1], c.n_heads, x.shape[-1] // c.n_heads)
-        return pre
-
-    with _inspecting(model), _hooks() as handles:
-        for layer, block in enumerate(model.blocks):
-            handles.append(block.attention.W_o.register_forward_pre_hook(make_pre(layer)))
-        model(idx)
-    return [recorded[i] for i in range(c.n_layers)]
+    return _record(model, idx, stream=False, heads=True)[1]
 
 
 def mean_head_outputs(model: GPT, idx: torch.Tensor, *, per_position: bool = False) -> list[torch.Tensor]:
@@ -236,6 +242,73 @@ def logit_lens(model: GPT, idx: torch.Tensor, *, positions: Sequence[int] | int 
         stream = [x[:, index] for x in stream]
     with _inspecting(model):
         return torch.stack([model.unembedding(model.final_norm(x)) for x in stream])
+
+
+def _final_scale(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The final norm's division, per position ``(batch, seq, 1)``: 1 / RMS (RMSNorm), 1 / std (LayerNorm)."""
+    if isinstance(norm, RMSNorm):
+        return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    if isinstance(norm, LayerNorm):
+        return torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + norm.eps)
+    return torch.ones_like(x[..., :1])
+
+
+def direct_logit_attribution(model: GPT, idx: torch.Tensor, targets: torch.Tensor, *,
+                             centred: bool = False) -> dict[str, torch.Tensor]:
+    """Direct logit attribution: how much each part of the model writes, straight through the final norm and the
+    unembedding, into the logit of ``targets`` (token ids, same shape as ``idx``, one a position).
+
+    The final stream is a sum, ``x^(n_L) = x^(0) + Σ_l (Σ_h W_O^h z^h_l + r_l)``: the embeddings, every head's
+    output (:func:`head_outputs`) and the rest of each block ``r_l`` (its FFN's output and ``W_o``'s bias).
+    The final norm is *not* linear: it divides by the RMS (RMSNorm) or the standard deviation (LayerNorm) of
+    ``x^(n_L)``. Here that divisor is **frozen**: taken from this run, one number per position, and applied to
+    every part; with it fixed, ``logit_t = u_tᵀ N_f x^(n_L) / σ + const`` is linear, so the parts add up to the
+    model's logit exactly (up to rounding). What a part would contribute *if it were removed* is a different
+    question (removing it changes σ and everything downstream): for that, ablate it.
+
+    Returns ``{"embedding": (batch, seq), "heads": (n_layers, n_heads, batch, seq), "rest": (n_layers, batch,
+    seq), "bias": (batch, seq)}`` (``bias``: the final LayerNorm's β and the unembedding's bias, 0 without
+    them); their sum is ``logits[b, i, targets[b, i]]``. ``centred=True`` attributes the logit minus the mean
+    of all the position's logits instead (``u_t`` replaced by ``u_t - mean_s u_s``): a part that raises every
+    logit alike changes no probability, and then scores 0. One forward pass; needs Pre-LN blocks.
+    """
+    _check_model(model)
+    if model.config.norm_position != "pre":
+        raise ValueError("direct_logit_attribution needs Pre-LN blocks (norm_position='pre'): a Post-LN block "
+                         "normalises the stream itself, so it is no sum of the parts' outputs")
+    if not isinstance(centred, bool):
+        raise TypeError(f"centred must be True or False, got {centred!r}")
+    if not isinstance(targets, torch.Tensor) or not isinstance(idx, torch.Tensor) or targets.shape != idx.shape:
+        raise ValueError(f"targets must be a tensor of token ids shaped like idx {tuple(getattr(idx, 'shape', ()))}"
+                         f", got {getattr(targets, 'shape', type(targets).__name__)}")
+    v = model.config.vocab_size
+    if targets.is_floating_point() or targets.dtype == torch.bool or int(targets.min()) < 0 \
+            or int(targets.max()) >= v:
+        raise ValueError(f"targets must hold token ids in 0 .. {v - 1}")
+    stream, outputs = _record(model, idx, stream=True, heads=True)
+    u = _weight(model.unembedding).float()
+    rows = u[targets.long()]  # (batch, seq, d_model)
+    bias = torch.zeros(targets.shape)
+    if getattr(model.unembedding, "bias", None) is not None:
+        b = model.unembedding.bias.detach().float()
+        bias = bias + (b[targets.long()] - (b.mean() if centred else 0.0))
+    if centred:
+        rows = rows - u.mean(0)
+    if isinstance(model.final_norm, LayerNorm) and model.final_norm.bias is not None:
+        bias = bias + rows @ model.final_norm.bias.detach().float()
+    # logit per unit of the stream at each position: σ-frozen u_tᵀ N_f
+    read = (rows @ _norm_map(model.final_norm, model.config.d_model, u)) * _final_scale(
+        model.final_norm, stream[-1].float())
+    heads, rest = [], []
+    for layer, block in enumerate(model.blocks):
+        w_o = _weight(block.attention.W_o).float()  # (d_model, n_heads * d_head)
+        z = outputs[layer].float()  # (batch, seq, n_heads, d_head)
+        per_head = (read @ w_o).reshape(z.shape) * z  # u_tᵀ N_f W_O^h z^h / σ, summed over d_head below
+        heads.append(per_head.sum(-1).permute(2, 0, 1))
+        written = (z.flatten(-2) @ w_o.T).float()
+        rest.append(((stream[layer + 1].float() - stream[layer].float() - written) * read).sum(-1))
+    return {"embedding": (stream[0].float() * read).sum(-1), "heads": torch.stack(heads),
+            "rest": torch.stack(rest), "bias": bias}
 
 
 # ---------------------------------------------------------------------------------------------------------------
