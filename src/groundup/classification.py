@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from groundup.utils import positive_int
 
@@ -225,9 +226,7 @@ def encode_passages(passages: Passages, tokenizer, *, pad_id: int = 0):
     if any(len(e) == 0 for e in encoded):
         raise ValueError("a passage encodes to no tokens")
     lengths = torch.tensor([len(e) for e in encoded])
-    ids = torch.full((len(encoded), int(lengths.max())), pad_id, dtype=torch.long)
-    for row, e in enumerate(encoded):
-        ids[row, :len(e)] = torch.tensor(e)
+    ids = pad_sequence([torch.tensor(e, dtype=torch.long) for e in encoded], batch_first=True, padding_value=pad_id)
     return ids, lengths, torch.tensor(passages.labels)
 
 
