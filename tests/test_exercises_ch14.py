@@ -100,9 +100,15 @@ def test_find_rejects_a_hard_coded_answer_and_the_wrong_order(capsys):
     assert not ok and "(layer, head)" in out
 
 
+def _raw_head(model, layer, h):  # the raw weights (head_matrices itself is refused)
+    att = model.blocks[layer].attention
+    rows = slice(h * att.d_head, (h + 1) * att.d_head)
+    return {"W_O": att.W_o.weight.detach()[:, rows], "W_V": att.W_v.weight.detach()[rows]}
+
+
 def _largest(model, layer, size):
     n = model.config.n_heads
-    return max(range(n), key=lambda h: float(size(interp.head_matrices(model, layer, h))))
+    return max(range(n), key=lambda h: float(size(_raw_head(model, layer, h))))
 
 
 @pytest.mark.parametrize("size", [lambda m: m["W_O"].norm(), lambda m: (m["W_O"] @ m["W_V"]).norm()])
@@ -258,3 +264,37 @@ def test_k_composition_refuses_the_packages_scores(capsys):
 
     ok, out = verdict(check_k_composition, calls_package, capsys)
     assert not ok and "composition_scores" in out
+
+
+def _by_ablation(model, tokens):
+    """Choose the heads by what zeroing them costs: an intervention, not the attention patterns."""
+    def cost(layer, h):
+        with interp.ablate_heads(model, [(layer, h)]):
+            return in_context_loss(model, tokens)
+    n = model.config.n_heads
+    return (0, max(range(n), key=lambda h: cost(0, h))), (1, max(range(n), key=lambda h: cost(1, h)))
+
+
+def _by_head_matrices(model, tokens):
+    n = model.config.n_heads
+    w_ov = [interp.head_matrices(model, 0, h) for h in range(n)]
+    return (0, max(range(n), key=lambda h: float((w_ov[h]["W_O"] @ w_ov[h]["W_V"]).norm()))), (1, 0)
+
+
+@pytest.mark.parametrize("cheat, name", [(_by_ablation, "ablate_heads"), (_by_head_matrices, "head_matrices")])
+def test_find_refuses_interventions_and_the_weights(cheat, name, capsys):
+    ok, out = verdict(check_find_induction_circuit, cheat, capsys)
+    assert not ok and name in out
+
+
+def test_zero_ablation_accepts_a_zeroed_copy_without_a_hook(capsys):
+    """The task is the zero ablation, not the hook: a deep copy with the head's columns of W_o zeroed passes."""
+    def zeroed_copy(model, tokens, layer, head):
+        clone = copy.deepcopy(model)
+        d_head = model.config.d_model // model.config.n_heads
+        with torch.no_grad():
+            clone.blocks[layer].attention.W_o.weight[:, head * d_head:(head + 1) * d_head] = 0.0
+        return in_context_loss(clone, tokens)
+
+    ok, out = verdict(check_zero_ablation, zeroed_copy, capsys)
+    assert ok, out

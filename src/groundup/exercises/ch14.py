@@ -92,11 +92,14 @@ def check_find_induction_circuit(fn: Callable) -> Verdict:
     previous-token head and the induction head of a two-layer model, found from its attention patterns on the
     repeated sequences ``tokens`` with the reader's own scores (the package's ``previous_token_scores`` and
     ``induction_scores`` are refused, and so are the weight scores ``composition_scores``, ``copying_scores``,
-    ``copying_ranks`` and ``ov_eigenvalue_scores``). The models are the hand-built induction model with its heads
-    in four different orders and two sizes, in a shuffled order, on freshly drawn sequences; its decoy heads have
-    larger weights than the planted ones, so guessing from the size of the weights fails."""
+    ``copying_ranks``, ``ov_eigenvalue_scores``, ``head_matrices`` and the interventions ``ablate_heads``,
+    ``remove_from_inputs``, ``direct_logit_attribution``: the attention patterns are the evidence). The models
+    are the hand-built induction model with its heads in four different orders and two sizes, in a shuffled
+    order, on freshly drawn sequences; its decoy heads have larger weights than the planted ones, so guessing
+    from the size of the weights fails."""
     forbid = (interp.previous_token_scores, interp.induction_scores, interp.composition_scores,
-              interp.copying_scores, interp.copying_ranks, interp.ov_eigenvalue_scores)
+              interp.copying_scores, interp.copying_ranks, interp.ov_eigenvalue_scores, interp.head_matrices,
+              interp.direct_logit_attribution, interp.ablate_heads.__wrapped__, interp.remove_from_inputs.__wrapped__)
 
     def checks():
         seed = _fresh_seed()
@@ -161,8 +164,9 @@ def _zero_loss(model: GPT, tokens: torch.Tensor, heads) -> float:
 def check_zero_ablation(fn: Callable) -> Verdict:
     """Exercise 14.2: ``fn(model, tokens, layer, head) -> float``: the in-context loss
     (:func:`groundup.induction.in_context_loss`) on ``tokens`` with head ``head`` of block ``layer`` zero-ablated,
-    written with a forward pre-hook of the reader's own (the package's ``ablate_heads`` is refused), which must be
-    removed again before the function returns."""
+    by the reader's own code (the package's ``ablate_heads`` is refused), leaving the model as it was: no hook left
+    registered, the weights unchanged. A forward pre-hook on ``W_o`` is the easiest way; any zero ablation that
+    gives the same loss (a forward hook that subtracts the head's part, a zeroed copy of the model) is accepted."""
     forbid = (interp.ablate_heads.__wrapped__,)  # the generator behind the context manager: every call trips
 
     def and_hooks_left(model, tokens, layer, head):  # runs in the reader's thread, on the reader's copy
