@@ -36,7 +36,8 @@ STORED_PATH = resources.files("groundup").joinpath("results/chapter13.json")
 ALL = json.loads(STORED_PATH.read_text())["runs"] if STORED_PATH.is_file() else {}
 RUNS = {k: v for k, v in ALL.items() if "tools/ch13_classification.py" in v["command"]}
 FITS = {k: v for k, v in RUNS.items() if k.startswith(("classification/", "lora_rank/")) and "method" in v}
-WORD_ORDER = {k: v for k, v in RUNS.items() if k.startswith("word-order/gpt/") and "method" in v}
+WORD_ORDER = {k: v for k, v in RUNS.items() if k.split("/")[:2] in (["word-order", b] for b in tool.BODIES)
+              and "method" in v}
 LORA_RANK = {k: v for k, v in RUNS.items() if k.startswith("word-order/lora-rank/") and "method" in v}
 CONVERGED = {k: v for k, v in RUNS.items() if k.startswith("classification-converged-probe/")}
 WORD_ORDER_BASELINES = {k: v for k, v in RUNS.items() if k.startswith("word-order/baselines/")}
@@ -217,6 +218,21 @@ def test_word_order_commands_store_their_entries_and_summary(tiny, tmp_path, mon
     assert summary["gpt/lora/n16"]["std"] is None and summary["baselines"] == {}
 
 
+def test_another_label_subset_is_stored_under_its_seed(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(tool, "OUT", tmp_path / "chapter13.json")
+    tool.main(["--task", "word-order", "--method", "full", "--seed", "0", "--n-train", "16", "--subset-seed", "1",
+               "--steps", "2"])
+    runs = json.loads((tmp_path / "chapter13.json").read_text())["runs"]
+    entry = runs["word-order/gpt/full/n16-subset1/seed0"]
+    assert entry["command"] == tool.command(
+        "--task word-order --n-train 16 --subset-seed 1 --steps 2 --body gpt --method full --seed 0")
+    train = word_order_task(play_passages(DEFAULT_PLAYS, **tool.TASK)[0])
+    rows = balanced_subset(train.labels, 16, seed=1)
+    assert rows != balanced_subset(train.labels, 16, seed=tool.SUBSET_SEED)
+    assert entry["config"]["subset_seed"] == 1 and entry["config"]["train_counts"] == train.select(rows).counts()
+    assert runs["word-order/summary"]["gpt/full/n16-subset1"]["test_accuracy"] == [entry["test_accuracy"]]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--n-train", "128"], "--n-train and --steps are for --task word-order"),
     (["--task", "word-order", "--n-train", "127"], "--n-train 127: n must be a positive multiple"),
@@ -224,7 +240,8 @@ def test_word_order_commands_store_their_entries_and_summary(tiny, tmp_path, mon
     (["--task", "word-order", "--steps", "0"], "--steps must be a positive integer"),
     (["--task", "word-order", "--entry", "converged-probe"], "--entry converged-probe is for --task play"),
     (["--entry", "rank-summary"], "--entry rank-summary is for --task word-order"),
-    (["--task", "word-order", "--entry", "rank", "--rank", "0"], "--rank must be positive integers")])
+    (["--task", "word-order", "--entry", "rank", "--rank", "0"], "--rank must be positive integers"),
+    (["--task", "word-order", "--subset-seed", "1"], "--subset-seed is for --entry classify with --n-train")])
 def test_bad_word_order_arguments_name_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit):
         tool.main(argv)
@@ -236,12 +253,18 @@ def test_stored_word_order_fine_tune_matches_its_command_and_settings(key):
     entry = RUNS[key]
     arg = _command_options(entry)
     method, seed, c = entry["method"], int(arg["--seed"]), entry["config"]
-    n = int(arg.get("--n-train", 4733))
-    assert arg["--task"] == "word-order" and key == f"word-order/{arg['--body']}/{arg['--method']}/n{n}/seed{seed}"
+    n, subset = int(arg.get("--n-train", 4733)), int(arg.get("--subset-seed", tool.SUBSET_SEED))
+    size = f"n{n}" if subset == tool.SUBSET_SEED else f"n{n}-subset{subset}"
+    assert arg["--task"] == "word-order" and key == f"word-order/{arg['--body']}/{arg['--method']}/{size}/seed{seed}"
     assert (entry["body"], method, entry["seed"]) == (arg["--body"], arg["--method"], seed)
     assert (c["task"], c["n_train"], c["n_available"], c["n_test"], c["train_counts"]) == (
         "word-order", n, 4733, 1795, [n // 2, n // 2] if n < 4733 else [2367, 2366])
-    assert c["subset_seed"] == tool.SUBSET_SEED and c["shuffle_seed"] == tool.WORD_ORDER_SEED
+    assert c["subset_seed"] == subset and c["shuffle_seed"] == tool.WORD_ORDER_SEED
+    assert c["pooling"] == ("last" if entry["body"] == "gpt" else "mean")
+    if entry["body"].startswith("mlm"):  # pretraining seed = the run's seed, as the which-play entries
+        assert entry["pretrain"]["steps"] == tool.MLM_STEPS and entry["pretrain"]["seed"] == seed
+        same = RUNS.get(f"classification/{entry['body']}/probe/seed{seed}")
+        assert same is None or same["pretrain"] == entry["pretrain"]
     if method == "probe":
         assert entry["curve"] is None and c["probe"]["l2"] in c["probe"]["l2_grid"] == tool.PROBE["l2_grid"]
         losses = c["probe"]["held_out_loss"]

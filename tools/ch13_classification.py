@@ -1,4 +1,4 @@
-"""The classification runs behind chapter 13 (which play is a passage from?), stored in results/chapter13.json.
+"""The classification runs behind chapter 13 (which play? real or word-shuffled?), stored in chapter13.json.
 
     E="MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"
     env $E python tools/ch13_classification.py --entry baselines                 # majority and n-gram (10 s)
@@ -10,6 +10,8 @@
     env $E python tools/ch13_classification.py $W --method full --seed 0 --n-train 128 --steps 60
     env $E python tools/ch13_classification.py $W --entry all                    # WORD_ORDER_PLAN, in order
     env $E python tools/ch13_classification.py $W --entry rank --skip-stored     # LoRA ranks 1-64, 128 labels
+    env $E python tools/ch13_classification.py $W --n-train 128 --steps 60 --body mlm-bert --method probe
+    env $E python tools/ch13_classification.py $W --n-train 128 --subset-seed 1 --steps 60 --method full --seed 0
     env $E python tools/ch13_classification.py --entry converged-probe --body gpt # which-play, converged probe
 
 The arithmetic settings are those chapter 7's stored model was trained under (``chapter7_model()`` trains it afresh
@@ -31,18 +33,23 @@ adapters on W_q, W_k, W_v, W_o), each trained by :func:`groundup.classification.
 the method's learning rate ``LR``. Every entry stores its command, configuration, test accuracy and loss, the
 training curve, and the body's language-model loss on held-out text before and after (catastrophic forgetting).
 The ``gpt/full/seed0`` run also stores the singular values of its weight update (``lowrank/gpt/full/seed0``).
+``--entry rank`` (which-play) stored ``lora_rank/gpt/r{1,32}/seed0``: LoRA of rank 1 and 32 on which-play, kept as
+the record of that task's first rank comparison (both constant predictors like every which-play fine-tune).
 
 ``--task word-order`` (keys ``word-order/...``): the same passages and split, relabelled by
 :func:`groundup.classification.word_order_task` (every second passage has its words shuffled: real or shuffled?).
 ``--n-train N`` trains every method on one balanced, seeded subset of N training passages
 (:func:`groundup.classification.balanced_subset`, seed ``SUBSET_SEED``, the same for all methods and seeds);
-``--steps`` sets the fine-tuning steps. There the probe is a logistic regression on the frozen body's states
+``--steps`` sets the fine-tuning steps; ``--subset-seed k`` draws the subset with seed k instead (keys
+``word-order/<body>/<method>/n<N>-subset<k>/seed<s>``: does the comparison hold for another draw of the labels?).
+``--body mlm-bert`` / ``mlm-mask`` put chapter 9's masked LMs (pretraining seed = the run's seed) on the task.
+There the probe is a logistic regression on the frozen body's states
 fitted to convergence, its l2 chosen on held-out training scenes (:func:`groundup.classification.fit_probe`), and
 the baselines add the "LM score": a logistic regression on one feature, the GPT's mean next-character loss on the
 passage (:func:`groundup.classification.lm_scores`). ``--task word-order --entry rank`` trains LoRA of every rank
 of ``WORD_ORDER_RANKS`` (alpha fixed at ``LORA["alpha"]``, so the scale alpha/r falls as r grows) on
 ``RANK_SWEEP``'s labels and steps, seeds 0-2 (keys ``word-order/lora-rank/n<N>/r<r>/seed<s>``; rank 8 is the stored
-``word-order/gpt/lora/...`` run), and stores their summary ``word-order/lora-rank/summary``.
+``word-order/gpt/lora/...`` run), and stores their summary ``word-order/lora-rank/n<N>/summary``.
 
 ``--entry converged-probe`` (which-play): the diagnostic that made us change task. The probe of the which-play
 entries is trained by 150 AdamW steps; this one is the word-order probe (a logistic regression on the frozen
@@ -189,16 +196,16 @@ def task(name: str = "play"):
     return train, test
 
 
-def training_set(train, n_train: int | None):
-    """All training passages, or the balanced subset of ``n_train`` of them (seed ``SUBSET_SEED``)."""
-    return train if n_train is None else train.select(balanced_subset(train.labels, n_train, seed=SUBSET_SEED))
+def training_set(train, n_train: int | None, subset_seed: int = SUBSET_SEED):
+    """All training passages, or the balanced subset of ``n_train`` of them (seed ``subset_seed``)."""
+    return train if n_train is None else train.select(balanced_subset(train.labels, n_train, seed=subset_seed))
 
 
-def task_config(name: str, available: int, train) -> dict:
+def task_config(name: str, available: int, train, subset_seed: int = SUBSET_SEED) -> dict:
     """What a word-order entry adds to its config: the task, and which training passages it used."""
     if name == "play":
         return {}
-    return {"task": name, "shuffle_seed": WORD_ORDER_SEED, "n_available": available, "subset_seed": SUBSET_SEED,
+    return {"task": name, "shuffle_seed": WORD_ORDER_SEED, "n_available": available, "subset_seed": subset_seed,
             "train_counts": train.counts()}
 
 
@@ -231,17 +238,17 @@ def lowrank_spectra(before: dict, after: dict) -> dict:
 
 def run_classifier(body_name: str, method: str, seed: int, *, rank: int = LORA["r"], task_name: str = "play",
                    n_train: int | None = None, steps: int | None = None,
-                   converged: bool = False) -> tuple[dict, dict | None]:
+                   converged: bool = False, subset_seed: int = SUBSET_SEED) -> tuple[dict, dict | None]:
     """One fine-tune: its entry, and (for gpt/full) the low-rank analysis of its update.
 
     ``task_name="word-order"``: ``n_train`` passages (all if None), ``steps`` (``FINETUNE``'s if None), and the
     probe fitted to convergence by :func:`groundup.classification.fit_probe` instead of AdamW steps (on which-play
-    too with ``converged=True``)."""
+    too with ``converged=True``); ``subset_seed`` draws the ``n_train`` passages."""
     start = time.perf_counter()
     body, tokenizer, lm_loss, held_out, pretrain = load_body(body_name, seed)
     train, test = task(task_name)
     available = len(train)
-    train = training_set(train, n_train)
+    train = training_set(train, n_train, subset_seed)
     finetune = {**FINETUNE, "steps": steps or FINETUNE["steps"], "batch_size": min(FINETUNE["batch_size"], len(train))}
     ids, _, labels = encode_passages(train, tokenizer)
     test_ids, _, test_labels = encode_passages(test, tokenizer)
@@ -254,7 +261,7 @@ def run_classifier(body_name: str, method: str, seed: int, *, rank: int = LORA["
               "lora": {**LORA, "r": rank} if method == "lora" else None,
               "body_source": "chapter7_model()" if body_name.startswith("gpt") else
               f"tools/ch09_results.py's MaskedLM, {pretrain['variant']}, {MLM_STEPS} steps, seed {seed}",
-              **task_config(task_name, available, train)}
+              **task_config(task_name, available, train, subset_seed)}
     if method == "probe" and (task_name == "word-order" or converged):
         t0 = time.perf_counter()
         probe = fit_probe(head, ids, labels, train.sections, seed=seed, **PROBE)
@@ -339,7 +346,8 @@ def run_baselines() -> dict:
 def store(key: str, entry: dict) -> None:
     add_entry(OUT, key, entry, header={
         "about": ("Runs for chapter 13: SmolLM2-135M-Instruct on the dates task (tools/ch13_results.py) and the "
-                  "which-play classification (tools/ch13_classification.py); each entry says which command made it.")})
+                  "classifiers on the which-play and word-order (real or shuffled?) tasks "
+                  "(tools/ch13_classification.py); each entry says which command made it.")})
 
 
 def summary(runs: dict) -> dict:
@@ -411,12 +419,16 @@ def classify(body: str, method: str, seed: int) -> None:
     print(key, entry["test_accuracy"], entry["lm_loss"], entry["wall_seconds"], "s", flush=True)
 
 
-def n_name(n_train: int | None) -> str:
-    return f"n{len(task('word-order')[0]) if n_train is None else n_train}"
+def n_name(n_train: int | None, subset_seed: int = SUBSET_SEED) -> str:
+    """``n<N>``, or ``n<N>-subset<k>`` for a subset drawn with another seed than ``SUBSET_SEED``."""
+    name = f"n{len(task('word-order')[0]) if n_train is None else n_train}"
+    return name if subset_seed == SUBSET_SEED else f"{name}-subset{subset_seed}"
 
 
-def word_order_args(n_train: int | None, steps: int | None) -> str:
-    return "--task word-order" + (f" --n-train {n_train}" if n_train else "") + (f" --steps {steps}" if steps else "")
+def word_order_args(n_train: int | None, steps: int | None, subset_seed: int = SUBSET_SEED) -> str:
+    return ("--task word-order" + (f" --n-train {n_train}" if n_train else "")
+            + (f" --subset-seed {subset_seed}" if subset_seed != SUBSET_SEED else "")
+            + (f" --steps {steps}" if steps else ""))
 
 
 def word_order_baselines(n_train: int | None) -> None:
@@ -428,14 +440,16 @@ def word_order_baselines(n_train: int | None) -> None:
           entry["lm_score_accuracy"], flush=True)
 
 
-def word_order_classify(body: str, method: str, seed: int, n_train: int | None, steps: int | None) -> None:
+def word_order_classify(body: str, method: str, seed: int, n_train: int | None, steps: int | None,
+                        subset_seed: int = SUBSET_SEED) -> None:
     steps = None if steps == FINETUNE["steps"] else steps
-    entry, low = run_classifier(body, method, seed, task_name="word-order", n_train=n_train, steps=steps)
-    key = f"word-order/{body}/{method}/{n_name(n_train)}/seed{seed}"
-    cmd = command(f"{word_order_args(n_train, steps)} --body {body} --method {method} --seed {seed}")
+    entry, low = run_classifier(body, method, seed, task_name="word-order", n_train=n_train, steps=steps,
+                                subset_seed=subset_seed)
+    key = f"word-order/{body}/{method}/{n_name(n_train, subset_seed)}/seed{seed}"
+    cmd = command(f"{word_order_args(n_train, steps, subset_seed)} --body {body} --method {method} --seed {seed}")
     store(key, {"command": cmd, **entry, **environment()})
     if low is not None:
-        low_key = f"word-order-lowrank/{body}/{method}/{n_name(n_train)}/seed{seed}"
+        low_key = f"word-order-lowrank/{body}/{method}/{n_name(n_train, subset_seed)}/seed{seed}"
         store(low_key, {"command": cmd, "source": key, **low})
     store_word_order_summary()
     print(key, entry["test_accuracy"], entry["lm_loss"] and entry["lm_loss"]["after"], entry["wall_seconds"], "s",
@@ -478,7 +492,8 @@ def lora_rank_summary(runs: dict, n_train: int = RANK_SWEEP["n_train"], steps: i
 
 def lm_loss_before(runs: dict) -> float | None:
     """The body's next-character loss before fine-tuning, as the stored LoRA runs measured it."""
-    before = {e["lm_loss"]["before"] for k, e in runs.items() if k.startswith("word-order/") and e.get("lm_loss")}
+    before = {e["lm_loss"]["before"] for k, e in runs.items()
+              if k.startswith(("word-order/gpt/", "word-order/lora-rank/")) and e.get("lm_loss")}
     return before.pop() if len(before) == 1 else None
 
 
@@ -518,7 +533,7 @@ def main_word_order(a) -> None:
     elif a.entry == "classify":
         for method in a.method or METHODS:
             for seed in a.seed or [0, 1, 2]:
-                word_order_classify(a.body, method, seed, a.n_train, a.steps)
+                word_order_classify(a.body, method, seed, a.n_train, a.steps, a.subset_seed)
     elif a.entry == "summary":
         store_word_order_summary()
     elif a.entry in ("rank", "rank-summary"):
@@ -549,6 +564,9 @@ def main(argv=None) -> None:
     p.add_argument("--task", choices=TASKS, default="play", help="which play (default) or real vs word-shuffled")
     p.add_argument("--n-train", type=int, help="word-order: train on this many passages (balanced, seeded)")
     p.add_argument("--steps", type=int, help=f"word-order: fine-tuning steps (default {FINETUNE['steps']})")
+    p.add_argument("--subset-seed", type=int, default=SUBSET_SEED,
+                   help=f"word-order --entry classify with --n-train: the subset's seed (default {SUBSET_SEED}); "
+                        "another seed stores under n<N>-subset<seed>")
     p.add_argument("--skip-stored", action="store_true",
                    help="word-order --entry all or rank: skip entries already stored")
     a = p.parse_args(argv)
@@ -562,9 +580,11 @@ def main(argv=None) -> None:
             p.error(f"--rank must be positive integers, got {a.rank}")
         if a.steps is not None and a.steps < 1:
             p.error(f"--steps must be a positive integer, got {a.steps}")
+        if a.subset_seed != SUBSET_SEED and (a.n_train is None or a.entry != "classify"):
+            p.error("--subset-seed is for --entry classify with --n-train")
         if a.n_train is not None:
             try:
-                training_set(task("word-order")[0], a.n_train)
+                training_set(task("word-order")[0], a.n_train, a.subset_seed)
             except ValueError as err:
                 p.error(f"--n-train {a.n_train}: {err}")
         return main_word_order(a)
