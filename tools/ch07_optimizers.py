@@ -96,7 +96,7 @@ def run(optimizer: str, lr: float, seed: int, tokenizer, train_ids, val_ids) -> 
                          **settings)
     first = evaluate(model, val_ids, batch_size=BATCH, max_batches=EVAL_BATCHES)  # the batches train evaluates on
     entry = {"optimizer": optimizer, "label": label, "lr": lr, "seed": seed,
-             "settings": {k: v for k, v in settings.items()}, "diverged_at": None,
+             "settings": dict(settings), "diverged_at": None,
              "command": f"{ENV} python tools/ch07_optimizers.py --optimizer {optimizer} --lr {lr:g} --seed {seed}"}
     start = time.perf_counter()
     try:
