@@ -289,6 +289,12 @@ def test_the_default_recipe_and_a_token_budget_that_is_never_exceeded(tmp_path):
     args = _parser().parse_args(["train", "--out", str(tmp_path / "r"), "--optimizer", "adamw", "--max-tokens", "5"])
     assert runs._configs_from_args(args, vocab_size=65)[1].optimizer == "adamw"
     assert runs._configs_from_args(args, vocab_size=65)[1].max_steps == 1
+    args = _parser().parse_args(["train", "--out", str(tmp_path / "r"), "--optimizer", "sgd", "--lr", "0.3",
+                                 "--weight-decay", "0"])
+    sgd = runs._configs_from_args(args, vocab_size=65)[1]
+    assert (sgd.optimizer, sgd.learning_rate, sgd.weight_decay, sgd.beta1) == ("sgd", 0.3, 0.0, 0.9)
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["train", "--out", str(tmp_path / "r"), "--optimizer", "rmsprop"])
 
 
 # --- untrusted sizes: refused before anything is allocated --------------------------------------------------

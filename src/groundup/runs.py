@@ -59,6 +59,7 @@ from groundup.seq2seq import batches as seq2seq_batches
 from groundup.tokenizers import CharTokenizer
 from groundup.training import (
     CHECKPOINT_NAME,
+    OPTIMIZERS,
     TrainConfig,
     check_random_states,
     load_checkpoint,
@@ -195,8 +196,9 @@ def add_train_parser(sub) -> None:
     t.add_argument("--min-lr", type=flags.number(0), help="final learning rate of the cosine (default: lr / 10)")
     t.add_argument("--warmup", type=flags.integer(0), help="linear warm-up steps" + _recipe("warmup_steps"))
     t.add_argument("--weight-decay", type=flags.number(0), help="weight decay, matrices only" + _recipe("weight_decay"))
-    t.add_argument("--optimizer", choices=("adamw", "muon"), help="adamw, or muon: Muon for the blocks' weight "
-                   "matrices and AdamW for the rest (chapter 7)" + _recipe("optimizer"))
+    t.add_argument("--optimizer", choices=OPTIMIZERS, help="adamw; muon: Muon for the blocks' weight matrices and "
+                   "AdamW for the rest; or sgd: SGD (7.3) with heavy-ball momentum 0.9, which wants a far larger --lr "
+                   "(0.3 in chapter 7's comparison) and --weight-decay 0 (chapter 7)" + _recipe("optimizer"))
     t.add_argument("--grad-clip", type=flags.number(0), help="clip the global gradient norm to this, 0: no clipping"
                    + _recipe("grad_clip"))
     t.add_argument("--eval-interval", type=POSITIVE, help="evaluate and checkpoint every this many steps"
