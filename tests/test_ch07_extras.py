@@ -246,15 +246,17 @@ def test_machine_names_the_cpu_and_its_bfloat16_flags():
     assert m["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
-def test_store_adds_a_written_entry_under_extras(tmp_path, monkeypatch):
+def test_main_stores_the_entry_under_extras_with_its_command(tmp_path, monkeypatch):
     out = tmp_path / "chapter07.json"
     out.write_text(json.dumps({"about": "x", "extras": {"other": 1}}))
     monkeypatch.setattr(tool, "OUT", out)
-    written = tmp_path / "entry.json"
-    written.write_text(json.dumps({"ratio": 1.5}))
-    tool.main(["--entry", "bf16-speed", "--store", str(written)])
+    monkeypatch.setattr(tool, "bf16_speed", lambda: {"ratio": 1.5})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    tool.main(["--entry", "bf16-speed"])
     stored = json.loads(out.read_text())
-    assert stored["about"] == "x" and stored["extras"] == {"bf16_speed": {"ratio": 1.5}, "other": 1}
+    entry = stored["extras"]["bf16_speed"]
+    assert stored["about"] == "x" and stored["extras"]["other"] == 1 and entry["ratio"] == 1.5
+    assert "OMP_NUM_THREADS=1 python tools/ch07_extras.py --entry bf16-speed" in entry["command"]
 
 
 # --- the stored entries ------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ GPT on the Gutenberg corpus (its peak: 3e-3).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -284,13 +283,7 @@ def lr_range() -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--entry", choices=ENTRIES, required=True)
-    p.add_argument("--json", metavar="PATH", help="write the entry to PATH (plain JSON) instead of storing it")
-    p.add_argument("--store", metavar="PATH", help="store the entry a run with --json wrote to PATH (no run)")
     a = p.parse_args(argv)
-    if a.store:
-        add_entry(OUT, a.entry.replace("-", "_"), json.loads(Path(a.store).read_text()), section=SECTION)
-        print(f"stored {a.entry} from {a.store} in {OUT} (section {SECTION!r})")
-        return
     env = " ".join(f"{k}={os.environ[k]}" for k in ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")
                    if k in os.environ)
     make = {"bf16-speed": bf16_speed, "bf16-training": bf16_training, "accumulation-speed": accumulation_speed,
@@ -299,10 +292,6 @@ def main(argv=None) -> None:
     entry = make()
     entry["command"] = f"{env} python tools/ch07_extras.py --entry {a.entry}".strip()
     entry["wall_seconds"] = round(time.perf_counter() - start, 1)
-    if a.json:
-        Path(a.json).write_text(json.dumps(entry, indent=1) + "\n")
-        print(f"wrote {a.entry} to {a.json} after {entry['wall_seconds']} s")
-        return
     add_entry(OUT, a.entry.replace("-", "_"), entry, section=SECTION)
     print(f"stored {a.entry} in {OUT} (section {SECTION!r}) after {entry['wall_seconds']} s")
 
