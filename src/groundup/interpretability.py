@@ -45,6 +45,7 @@ from torch import nn
 
 from groundup.layers import LayerNorm, RMSNorm
 from groundup.models import GPT
+from groundup.utils import positive_int
 
 ABLATIONS = ("zero", "mean")
 COMPOSITIONS = ("q", "k", "v")
@@ -439,8 +440,7 @@ def copying_ranks(model: GPT, layer: int, *, tokens: Sequence[int] | torch.Tenso
     _check_model(model)
     layer = _check_layer(model, layer)
     tokens = _check_tokens(model, tokens)
-    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
-        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    chunk = positive_int("chunk", chunk)
     ids = torch.arange(model.config.vocab_size) if tokens is None else tokens
     ranks = torch.empty(model.config.n_heads, ids.numel(), dtype=torch.long)
     for h, head in enumerate(_heads(model, layer)):

@@ -75,9 +75,9 @@ def lr_range_test(model: nn.Module, train_data, config: TrainConfig | None = Non
     optimizer = _make_optimizer(trial, config, device)
     generator = torch.Generator().manual_seed(config.seed)
     clip = config.grad_clip if config.grad_clip is not None else math.inf
-    recorded, smooth, best = [], 0.0, math.inf
+    recorded, best = [], math.inf
     with torch.random.fork_rng(devices=[]):
-        for k, lr in enumerate(lrs):
+        for lr in lrs:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             x, y = get_batch(train_data, config.batch_size, n_c, generator=generator)
@@ -86,8 +86,7 @@ def lr_range_test(model: nn.Module, train_data, config: TrainConfig | None = Non
             if not math.isfinite(value):
                 break
             recorded.append(value)
-            smooth = smoothing * smooth + (1 - smoothing) * value
-            smoothed = smooth / (1 - smoothing ** (k + 1))
+            smoothed = smooth_losses(recorded, smoothing)[-1]
             best = min(best, smoothed)
             if stop_factor is not None and smoothed > stop_factor * best:
                 break
