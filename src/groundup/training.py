@@ -36,6 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -939,12 +940,42 @@ def chapter7_path(cache_dir=None) -> Path:
     return corpus_cache_dir(cache_dir) / "models" / f"chapter07-{re.sub(r'[^a-z0-9_.-]+', '_', tag)}.pt"
 
 
-def train_chapter7_model(*, progress: bool = False, cache_dir=None):
-    """Train chapter 7's character-level GPT on the Shakespeare corpus; return ``(model, tokenizer, history)``.
+CHAPTER7_SAMPLE = dict(prompt="\n", max_new_tokens=120, temperature=0.8, seed=0)
+"""How chapter 7 samples its model before and during training (:func:`chapter7_sample`)."""
+
+
+class Chapter7Run(NamedTuple):
+    """Chapter 7's training run: the model (in eval mode), its tokenizer, its :class:`History` and the samples
+    taken along the way, ``{step: text}`` for step 0 and every evaluation."""
+
+    model: GPT
+    tokenizer: object
+    history: History
+    samples: dict
+
+
+def chapter7_sample(model: GPT, tokenizer) -> str:
+    """120 characters sampled from ``model`` after a newline at temperature 0.8, from a generator seeded with 0.
+
+    Chapter 7 calls it before training and after every evaluation (``train``'s callback), so that the same random
+    numbers show what the model learned between the stages; :func:`train_chapter7_model` does the same, so a model
+    trained by another chapter's :func:`chapter7_model` call stores the same samples (see :data:`CHAPTER7_SAMPLE`).
+    """
+    from groundup.generation import generate
+
+    prompt = torch.tensor([tokenizer.encode(CHAPTER7_SAMPLE["prompt"])])
+    out = generate(model, prompt, CHAPTER7_SAMPLE["max_new_tokens"], temperature=CHAPTER7_SAMPLE["temperature"],
+                   generator=torch.Generator().manual_seed(CHAPTER7_SAMPLE["seed"]))
+    return tokenizer.decode(out[0, prompt.shape[1]:].tolist())
+
+
+def train_chapter7_model(*, progress: bool = False, cache_dir=None) -> Chapter7Run:
+    """Train chapter 7's character-level GPT on the Shakespeare corpus and store it; return the :class:`Chapter7Run`.
 
     Exactly what chapter 7 runs: the corpus's characters as the vocabulary, the first 90 % for training,
     ``torch.manual_seed(0)`` before building ``GPT(GPTConfig(**CHAPTER7_MODEL))``, then :func:`train` with
-    ``TrainConfig(**CHAPTER7_TRAINING)`` on one CPU thread. The result is saved for :func:`chapter7_model`. The
+    ``TrainConfig(**CHAPTER7_TRAINING)`` on one CPU thread, sampling with :func:`chapter7_sample` before training and
+    after every evaluation. The result is saved for :func:`load_chapter7_run` and :func:`chapter7_model`. The
     weights are the same on every machine when MKL's reproducible code path and PyTorch's plain x86-64 kernels are
     on (``MKL_CBWR=COMPATIBLE`` and ``ATEN_CPU_CAPABILITY=default`` in the environment, as the book's checked
     notebook runs set them); the kernels each picks for the CPU it finds differ between CPUs in the last bits.
@@ -959,47 +990,70 @@ def train_chapter7_model(*, progress: bool = False, cache_dir=None):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **CHAPTER7_MODEL))
     with threads(1):
-        history = train(model, train_ids, val_ids, TrainConfig(**CHAPTER7_TRAINING, progress=progress))
-        save_chapter7_model(model, tokenizer, history, cache_dir=cache_dir)  # records the one thread it trained on
-    return model, tokenizer, history
+        samples = {0: chapter7_sample(model, tokenizer)}
+        history = train(model, train_ids, val_ids, TrainConfig(**CHAPTER7_TRAINING, progress=progress),
+                        callback=lambda step, m: samples.__setitem__(step, chapter7_sample(m, tokenizer)))
+        save_chapter7_model(model, tokenizer, history, samples, cache_dir=cache_dir)  # records the one thread
+    return Chapter7Run(model.eval(), tokenizer, history, samples)
 
 
-def save_chapter7_model(model: GPT, tokenizer, history: History, *, cache_dir=None) -> Path:
-    """Store the chapter 7 model with its tokenizer's characters and history, for :func:`chapter7_model`.
+def save_chapter7_model(model: GPT, tokenizer, history: History, samples: dict, *, cache_dir=None) -> Path:
+    """Store the chapter 7 run -- the model, its tokenizer's characters, its history and the samples taken during
+    training (``{step: text}``, step 0 and every evaluation) -- for :func:`load_chapter7_run`.
 
     Call it with one CPU thread in force (as chapter 7 trains): only such a model is reused, because only its
     weights are the same on every machine. The ``MKL_CBWR`` setting and PyTorch's CPU kernels in force
     (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` can lower) are recorded too: a
     model is reused only under the same arithmetic (see :func:`train_chapter7_model`).
     """
+    expected = [0, *history.eval_step]
+    if not isinstance(samples, dict) or sorted(samples) != expected or not all(
+            isinstance(t, str) for t in samples.values()):
+        raise ValueError(f"samples must map the steps {expected} (before training and at each evaluation) to the "
+                         f"text sampled there, got {samples!r:.200}")
     path = chapter7_path(cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_checkpoint(path, model, history=history, train_config=TrainConfig(**CHAPTER7_TRAINING),
-                    extra={"chars": list(tokenizer.chars), "threads": torch.get_num_threads(), **_arithmetic()})
+                    extra={"chars": list(tokenizer.chars), "threads": torch.get_num_threads(),
+                           "samples": [[step, samples[step]] for step in expected], **_arithmetic()})
     return path
+
+
+def load_chapter7_run(*, cache_dir=None) -> Chapter7Run | None:
+    """The stored chapter 7 run (:class:`Chapter7Run`), or None if there is none that today's chapter 7 would make.
+
+    None when no file is stored, when it was trained with another ``CHAPTER7_MODEL`` or ``CHAPTER7_TRAINING``, on
+    more than one thread or under other arithmetic (``MKL_CBWR``, CPU kernels: its weights would differ in the last
+    bits), when it holds no samples (files stored before they were kept) or when it is damaged or not a checkpoint
+    (it is read with ``weights_only=True``, so nothing in it runs). The caller then trains afresh.
+    """
+    from groundup.tokenizers import CharTokenizer
+
+    path = chapter7_path(cache_dir)
+    if not path.is_file():
+        return None
+    try:
+        model, ckpt = load_checkpoint(path)
+        extra = ckpt["extra"]
+        history = History.from_dict(ckpt["history"])
+        samples = {int(step): text for step, text in extra["samples"]}
+        current = (ckpt["model_class"] == "GPT" and ckpt["train_config"] == dataclasses.asdict(
+            TrainConfig(**CHAPTER7_TRAINING)) and {k: ckpt["model_config"][k] for k in CHAPTER7_MODEL} == CHAPTER7_MODEL
+            and extra.get("threads") == 1  # trained as chapter 7 trains it: the same weights anywhere
+            and all(extra.get(k) == v for k, v in _arithmetic().items())  # MKL path, kernels
+            and sorted(samples) == [0, *history.eval_step] and all(isinstance(t, str) for t in samples.values()))
+        tokenizer = CharTokenizer(extra["chars"])
+    except (ValueError, KeyError, TypeError):
+        return None  # a damaged file, or one without samples: train afresh
+    return Chapter7Run(model.eval(), tokenizer, history, samples) if current else None
 
 
 def chapter7_model(*, cache_dir=None, progress: bool = False):
     """The chapter 7 model and its tokenizer, ``(model, tokenizer)``, trained once and then loaded.
 
-    If chapter 7 (or an earlier call) stored a model trained with today's ``CHAPTER7_MODEL`` and
-    ``CHAPTER7_TRAINING``, it is loaded; otherwise the model is trained now (five to ten minutes on one thread)
-    and stored (a model stored under another ``MKL_CBWR`` setting or with other CPU kernels is trained afresh:
-    its weights differ in the last bits). The model is returned in eval mode.
+    If chapter 7 (or an earlier call) stored a run that today's chapter 7 would make (:func:`load_chapter7_run`), its
+    model is loaded; otherwise the model is trained now (about seven minutes on one thread) and stored, samples
+    included (:func:`train_chapter7_model`). The model is returned in eval mode.
     """
-    from groundup.tokenizers import CharTokenizer
-
-    path = chapter7_path(cache_dir)
-    if path.is_file():
-        try:
-            model, ckpt = load_checkpoint(path)
-            expected = dataclasses.asdict(TrainConfig(**CHAPTER7_TRAINING))
-            shape = {k: ckpt["model_config"][k] for k in CHAPTER7_MODEL}
-            one_thread = ckpt["extra"].get("threads") == 1  # trained as chapter 7 trains it: the same weights anywhere
-            same_arithmetic = all(ckpt["extra"].get(k) == v for k, v in _arithmetic().items())  # MKL path, kernels
-            if ckpt["train_config"] == expected and shape == CHAPTER7_MODEL and one_thread and same_arithmetic:
-                return model.eval(), CharTokenizer(ckpt["extra"]["chars"])
-        except (ValueError, KeyError, TypeError):
-            pass  # a stale or damaged file: train afresh
-    model, tokenizer, _ = train_chapter7_model(progress=progress, cache_dir=cache_dir)
-    return model.eval(), tokenizer
+    run = load_chapter7_run(cache_dir=cache_dir) or train_chapter7_model(progress=progress, cache_dir=cache_dir)
+    return run.model, run.tokenizer
