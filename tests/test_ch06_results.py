@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from groundup import char_data
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import ch06_results  # noqa: E402
@@ -47,7 +49,8 @@ def test_run_trains_with_the_variants_settings(monkeypatch, variant, clip, steps
         return SimpleNamespace(eval_step=evals, val_loss=[3.0] * len(evals), train_loss=[3.0] * config.max_steps,
                                grad_norm=[1.0] * config.max_steps)
 
-    monkeypatch.setattr(ch06_results, "load_corpus", lambda name: "to be or not to be, that is the question\n" * 50)
+    text = "to be or not to be, that is the question\n" * 50
+    monkeypatch.setattr(char_data, "load_corpus", lambda name, cache_dir=None: text)  # read by char_corpus
     monkeypatch.setattr(ch06_results, "train", fake_train)
     entry = ch06_results.run(variant, 2)
     config = seen["config"]

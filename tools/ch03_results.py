@@ -43,10 +43,10 @@ import torch
 import torch.nn.functional as F
 from results_file import add_entry
 
-from groundup.data import get_batch, load_corpus, train_val_split
+from groundup.char_data import char_corpus
+from groundup.data import get_batch, load_corpus
 from groundup.embeddings import TokenEmbedding, Unembedding, rms
 from groundup.models import GPT, GPTConfig
-from groundup.tokenizers import CharTokenizer
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter03.json"
 SEEDS = (0, 1, 2)
@@ -70,9 +70,7 @@ QUERIES = ["white", "blue", "red", "black", "three", "ten", "father", "sister", 
 
 
 def char_data():
-    text = load_corpus("shakespeare")
-    tokenizer = CharTokenizer.from_text(text)
-    train_ids, val_ids = train_val_split(torch.tensor(tokenizer.encode(text)), 0.1)
+    tokenizer, train_ids, val_ids = char_corpus("shakespeare")
     return tokenizer.vocab_size, train_ids, val_ids
 
 

@@ -41,9 +41,8 @@ from typing import NamedTuple
 import torch
 from results_file import add_entry
 
-from groundup.data import load_corpus, train_val_split
+from groundup.char_data import char_corpus
 from groundup.models import GPT, GPTConfig
-from groundup.tokenizers import CharTokenizer
 from groundup.training import TrainConfig, train
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter06.json"
@@ -91,9 +90,7 @@ def build_model(variant: str, seed: int, vocab_size: int) -> GPT:
 
 def run(variant: str, seed: int) -> dict:
     v = VARIANTS[variant]
-    text = load_corpus("tinyshakespeare")
-    tokenizer = CharTokenizer.from_text(text)
-    train_ids, val_ids = train_val_split(torch.tensor(tokenizer.encode(text)), 0.1)
+    tokenizer, train_ids, val_ids = char_corpus("tinyshakespeare")
     model = build_model(variant, seed, tokenizer.vocab_size)
     config = TrainConfig(batch_size=16, max_steps=v.steps, learning_rate=v.learning_rate,
                          warmup_steps=v.warmup_steps, grad_clip=v.grad_clip, eval_interval=25, eval_batches=10,
@@ -111,9 +108,7 @@ def run(variant: str, seed: int) -> dict:
 
 def corpus_stats() -> dict:
     """The unigram entropy of the training characters: the loss of predicting each from its frequency alone."""
-    text = load_corpus("tinyshakespeare")
-    tokenizer = CharTokenizer.from_text(text)
-    train_ids, _ = train_val_split(torch.tensor(tokenizer.encode(text)), 0.1)
+    tokenizer, train_ids, _ = char_corpus("tinyshakespeare")
     p = torch.bincount(train_ids, minlength=tokenizer.vocab_size).double() / len(train_ids)
     entropy = -(p[p > 0] * p[p > 0].log()).sum().item()
     return {"unigram_entropy": round(entropy, 5), "train_tokens": len(train_ids), "vocab_size": tokenizer.vocab_size}

@@ -27,10 +27,9 @@ from pathlib import Path
 import torch
 from results_file import add_entry
 
-from groundup.data import load_corpus, train_val_split
+from groundup.char_data import char_corpus
 from groundup.masking import mask_tokens, masked_lm_batches
 from groundup.models import GPT, GPTConfig, MaskedLM, MaskedLMConfig
-from groundup.tokenizers import CharTokenizer
 from groundup.training import CHAPTER7_MODEL, CHAPTER7_TRAINING, TrainConfig, chapter7_model, train
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter09.json"
@@ -50,10 +49,7 @@ def mlm_training(steps: int, seed: int) -> TrainConfig:
 
 
 def data():
-    text = load_corpus("shakespeare")
-    tokenizer = CharTokenizer.from_text(text)
-    train_ids, val_ids = train_val_split(torch.tensor(tokenizer.encode(text)), 0.1)
-    return tokenizer, train_ids, val_ids
+    return char_corpus("shakespeare")
 
 
 def blanks(val_ids):

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-from groundup.data import load_corpus, train_val_split
+from groundup.char_data import char_corpus
 from groundup.models import GPT, GPTConfig
-from groundup.tokenizers import CharTokenizer
 from groundup.training import TrainConfig, evaluate, train
 
 
@@ -47,9 +46,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="recipe_search.jsonl")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    text = load_corpus("tinyshakespeare")
-    tokenizer = CharTokenizer.from_text(text)
-    train_ids, val_ids = train_val_split(torch.tensor(tokenizer.encode(text)), 0.1)
+    tokenizer, train_ids, val_ids = char_corpus("tinyshakespeare")
     torch.manual_seed(a.seed)
     model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, context_length=a.context, d_model=a.d_model,
                           n_layers=a.layers, n_heads=a.heads, positional=a.positional, dropout=0.0))

@@ -17,10 +17,9 @@ import time
 import torch
 
 from groundup.bench import Row
-from groundup.data import load_corpus, train_val_split
+from groundup.char_data import char_corpus
 from groundup.models import GPT, GPTConfig
 from groundup.runs import RECIPE_MODEL, RECIPE_TRAINING
-from groundup.tokenizers import CharTokenizer
 from groundup.training import TrainConfig, evaluate, train
 
 TOKEN_BUDGET = 1_000_000
@@ -39,9 +38,7 @@ def _run(train_ids, val_ids, vocab_size: int, seed: int = 0, **overrides):
 
 
 def run() -> list[Row]:
-    text = load_corpus("tinyshakespeare")
-    tokenizer = CharTokenizer.from_text(text)
-    train_ids, val_ids = train_val_split(torch.tensor(tokenizer.encode(text)), 0.1)
+    tokenizer, train_ids, val_ids = char_corpus("tinyshakespeare")
     tokens_per_step = RECIPE_TRAINING["batch_size"] * RECIPE_MODEL["context_length"]
     rows = []
     steps = TOKEN_BUDGET // tokens_per_step
