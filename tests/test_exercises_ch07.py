@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from groundup.exercises import checking as _checking
-from groundup.exercises.ch07 import check_adamw_step, check_clip_gradients, check_lr_schedule
+from groundup.exercises.ch07 import (
+    check_accumulated_gradients,
+    check_adamw_step,
+    check_clip_gradients,
+    check_lr_schedule,
+)
 
 # --- reference solutions (the notebook's hidden solutions) ----------------------------------------------------
 
@@ -35,6 +40,14 @@ def adamw_solution(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
     return param - lr * (m_hat / (v_hat.sqrt() + eps) + weight_decay * param), m, v
 
 
+def accumulation_solution(model, x, y, micro):
+    model.zero_grad()
+    for xs, ys in zip(x.split(micro), y.split(micro)):
+        _, loss = model(xs, ys)
+        (loss * len(xs) / len(x)).backward()
+    return [p.grad for p in model.parameters()]
+
+
 def stub(*args):
     raise NotImplementedError
 
@@ -45,7 +58,8 @@ def verdict(checker, fn, capsys):
 
 
 @pytest.mark.parametrize("checker, solution", [(check_lr_schedule, lr_solution), (check_clip_gradients, clip_solution),
-                                               (check_adamw_step, adamw_solution)])
+                                               (check_adamw_step, adamw_solution),
+                                               (check_accumulated_gradients, accumulation_solution)])
 def test_reference_passes_and_stub_is_not_attempted(checker, solution, capsys):
     ok, out = verdict(checker, solution, capsys)
     assert ok and "✅" in out, out
@@ -164,3 +178,78 @@ def test_the_schedule_checker_cites_the_chapters_number_for_the_schedule():
     schedule = [tag for tag, eq in numbered.items() if r"\cos" in eq]
     assert len(numbered) >= 7 and len(schedule) == 1, numbered.keys()
     assert re.findall(r"\((7\.\d+)\)", check_lr_schedule.__doc__) == schedule
+
+
+# --- 7.7 ---------------------------------------------------------------------------------------------------
+
+
+def _accumulate(model, x, y, micro, *, weight, zero_first=True, zero_each=False):
+    if zero_first:
+        model.zero_grad()
+    chunks = list(zip(x.split(micro), y.split(micro)))
+    for xs, ys in chunks:
+        if zero_each:
+            model.zero_grad()
+        (model(xs, ys)[1] * weight(xs, x, len(chunks))).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _share(xs, x, k):
+    return len(xs) / len(x)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda m, x, y, c: _accumulate(m, x, y, c, weight=lambda xs, x, k: 1 / k), "not 1 / k"),
+    (lambda m, x, y, c: _accumulate(m, x, y, c, weight=lambda xs, x, k: 1.0), "about k times the gradient"),
+    (lambda m, x, y, c: _accumulate(m, x, y, c, weight=_share, zero_each=True), "not before each"),
+    (lambda m, x, y, c: _accumulate(m, x, y, c, weight=_share, zero_first=False), "earlier step's gradients"),
+    (lambda m, x, y, c: [p.grad for p in m.parameters()], "saw 0 of the 10 windows"),  # the stale ones, unchanged
+])
+def test_accumulation_wrong_answers_get_their_hint(wrong, hint, capsys):
+    ok, out = verdict(check_accumulated_gradients, wrong, capsys)
+    assert not ok and hint in " ".join(out.split()), out
+
+
+def test_accumulation_refuses_the_whole_batch_at_once_and_a_model_bypassed(capsys):
+    def whole(model, x, y, micro):
+        model.zero_grad()
+        model(x, y)[1].backward()
+        return [p.grad for p in model.parameters()]
+
+    ok, out = verdict(check_accumulated_gradients, whole, capsys)
+    assert not ok and "was given 10 windows at once; this model takes at most 4" in " ".join(out.split()), out
+
+    def bypass(model, x, y, micro):
+        from groundup.models import GPT
+
+        model.zero_grad()
+        GPT.forward(model, x, y)[1].backward()  # the whole batch, around the model's own forward
+        return [p.grad for p in model.parameters()]
+
+    ok, out = verdict(check_accumulated_gradients, bypass, capsys)
+    assert not ok and "saw 0 of the 10 windows" in " ".join(out.split()), out
+
+
+@pytest.mark.parametrize("package_call", ["train", "_split_step"])
+def test_accumulation_refuses_the_packages_own_accumulation(package_call, capsys):
+    import groundup.training as training
+
+    def calls_package(model, x, y, micro):
+        if package_call == "train":
+            training.train(model, x.flatten(), x.flatten(), training.TrainConfig(max_steps=1, batch_size=2,
+                                                                                 progress=False))
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            training._split_step(model, (x,), y, "cpu", opt, 0, 1, 2, None)
+        return [p.grad for p in model.parameters()]
+
+    ok, out = verdict(check_accumulated_gradients, calls_package, capsys)
+    assert not ok and f"calls groundup.training.{package_call}" in out, out
+
+
+def test_accumulation_wrong_shapes_and_counts_are_named(capsys):
+    ok, out = verdict(check_accumulated_gradients, lambda m, x, y, c: accumulation_solution(m, x, y, c)[:-1], capsys)
+    assert not ok and "gradients, expected a list of" in out, out
+    ok, out = verdict(check_accumulated_gradients,
+                      lambda m, x, y, c: [g.reshape(-1) for g in accumulation_solution(m, x, y, c)], capsys)
+    assert not ok and "has shape" in out, out

@@ -1,4 +1,5 @@
-"""Checkers for chapter 7 (training): the warm-up + cosine schedule, gradient clipping, one AdamW step.
+"""Checkers for chapter 7 (training): the warm-up + cosine schedule, gradient clipping, one AdamW step, gradient
+accumulation.
 
 Every checker computes the expected values before it calls the reader's function, hands the function copies of
 its inputs (and says so if the function changed them in place), and checks the type of what comes back.
@@ -21,9 +22,10 @@ from groundup.exercises.checking import (
     expect_tensor,
     run_checks,
 )
-from groundup.training import TrainConfig, lr_at
+from groundup.models import GPT, GPTConfig
+from groundup.training import TrainConfig, _split_step, lr_at, train
 
-__all__ = ["check_lr_schedule", "check_clip_gradients", "check_adamw_step"]
+__all__ = ["check_lr_schedule", "check_clip_gradients", "check_adamw_step", "check_accumulated_gradients"]
 
 
 def _float(value, call: str) -> float:
@@ -186,3 +188,111 @@ def check_adamw_step(fn: Callable) -> Verdict:
 
     return run_checks("Exercise 7.3 (one AdamW step)", checks,
                       "Three steps match torch.optim.AdamW to float64 precision.")
+
+
+# ---- Exercise 7.7 ------------------------------------------------------------------------------------------
+
+_ACCUMULATION_CASES = ((10, 4), (8, 4), (9, 2))  # (windows in the batch, the most the model takes at once)
+_ACCUMULATION_MODEL = dict(vocab_size=11, context_length=8, d_model=16, n_layers=1, n_heads=2, positional="rope")
+
+
+class _LimitedGPT(GPT):
+    """A small float64 GPT that refuses more than ``max_rows`` windows per call (as if memory allowed no more),
+    records in ``seen`` how many each call got, and comes with an earlier step's gradients in ``.grad``; a deep copy
+    (what the reader is given) keeps all three."""
+
+    def __init__(self, max_rows: int, seen: list):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            super().__init__(GPTConfig(**_ACCUMULATION_MODEL))
+        self.double()
+        self.max_rows, self.seen = max_rows, seen
+        for p in self.parameters():
+            p.grad = torch.full_like(p, 0.5)
+
+    def forward(self, idx, *args, **kwargs):
+        rows = idx.shape[0] if isinstance(idx, torch.Tensor) and idx.dim() == 2 else 0
+        self.seen.append(rows)
+        if rows > self.max_rows:
+            raise ValueError(f"model(...) was given {rows} windows at once; this model takes at most {self.max_rows} "
+                             "at a time: split x into micro-batches of at most that many windows")
+        return super().forward(idx, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        twin = _LimitedGPT(self.max_rows, self.seen)
+        twin.load_state_dict(self.state_dict())
+        for mine, theirs in zip(self.parameters(), twin.parameters()):
+            theirs.grad = None if mine.grad is None else mine.grad.clone()
+        return twin
+
+
+def _mean_loss_grads(model: GPT, parts) -> list[torch.Tensor]:
+    """The gradient of sum(weight * mean loss of (xs, ys)) over ``parts`` [(xs, ys, weight), ...], from zero."""
+    model.zero_grad(set_to_none=True)
+    for xs, ys, weight in parts:
+        (model(xs, ys)[1] * weight).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _accumulation_hint(got: list, wrong: dict) -> str:
+    for hint, grads in wrong.items():
+        if all(torch.allclose(a.to(b.dtype), b, rtol=1e-6, atol=1e-12) for a, b in zip(got, grads)):
+            return hint
+    return ("Zero the gradients once, then for each micro-batch (xs, ys) call backward on its mean loss times "
+            "len(xs) / len(x): .grad adds up the k backward passes into the gradient of the whole batch's mean.")
+
+
+def check_accumulated_gradients(fn: Callable) -> Verdict:
+    """Exercise 7.7: ``fn(model, x, y, micro) -> list of gradients`` of the mean loss over the batch ``(x, y)``,
+    accumulated over micro-batches of at most ``micro`` windows (the model given refuses more at once)."""
+
+    # Everything expected comes first: the whole batch's gradient and those of the usual mistakes.
+    cases = []
+    for rows, micro in _ACCUMULATION_CASES:
+        g = torch.Generator().manual_seed(rows * 10 + micro)
+        n_c, n_v = _ACCUMULATION_MODEL["context_length"], _ACCUMULATION_MODEL["vocab_size"]
+        x = torch.randint(0, n_v, (rows, n_c), generator=g)
+        y = torch.randint(0, n_v, (rows, n_c), generator=g)
+        reference = _LimitedGPT(rows, [])
+        stale = [p.grad.clone() for p in reference.parameters()]
+        chunks = list(zip(x.split(micro), y.split(micro)))
+        expected = _mean_loss_grads(reference, [(x, y, 1.0)])
+        wrong = {
+            "Each micro-batch's mean loss counts len(xs) / len(x) of the batch's mean, not 1 / k: the last "
+            "micro-batch here is shorter than the others.": _mean_loss_grads(
+                reference, [(xs, ys, 1 / len(chunks)) for xs, ys in chunks]),
+            "Weight each micro-batch's loss before backward (times len(xs) / len(x)): the sum of the "
+            "micro-batches' mean losses has about k times the gradient.": _mean_loss_grads(
+                reference, [(*c, 1.0) for c in chunks]),
+            "Zero the gradients once, before the first micro-batch, not before each: backward adds into .grad, and "
+            "that sum is the point.": _mean_loss_grads(reference, [(*chunks[-1], len(chunks[-1][0]) / rows)]),
+            "The model came with an earlier step's gradients in .grad: set them to zero first (model.zero_grad()).":
+                [e + s for e, s in zip(expected, stale)],
+        }
+        cases.append((x, y, micro, expected, wrong))
+
+    def checks():
+        for x, y, micro, expected, wrong in cases:
+            rows = x.shape[0]
+            seen = []
+            model = _LimitedGPT(micro, seen)
+            call = f"my_accumulated_grads(model, x, y, micro={micro}) with a batch of {rows} windows"
+            got = call_reader(fn, model, x, y, micro, call=call, names=("model", "x", "y", "micro"),
+                              forbid=(train, _split_step))
+            names = [name for name, _ in model.named_parameters()]
+            expect(isinstance(got, (list, tuple)) and len(got) == len(names), f"{call} returned "
+                   f"{len(got) if isinstance(got, (list, tuple)) else 'no'} gradients, expected a list of "
+                   f"{len(names)}", "Return [p.grad for p in model.parameters()], in that order.")
+            expect(sum(seen) >= rows, f"{call}: the model saw {sum(seen)} of the {rows} windows through model(...)",
+                   "Run every window through model(xs, ys), micro-batch by micro-batch.")
+            got = [expect_tensor(t, f"{call}: gradient of {name}") for t, name in zip(got, names)]
+            for t, e, name in zip(got, expected, names):
+                expect(t.shape == e.shape, f"{call}: the gradient of {name} has shape {tuple(t.shape)}, expected "
+                       f"{tuple(e.shape)}", "Return [p.grad for p in model.parameters()], in that order.")
+            hint = _accumulation_hint(got, wrong)
+            for t, e, name in zip(got, expected, names):
+                expect_close(t, e, f"{call}: the gradient of {name}", hint, rtol=1e-8, atol=1e-12)
+
+    return run_checks("Exercise 7.7 (gradient accumulation)", checks,
+                      "Micro-batches of at most `micro` windows give the whole batch's gradient, a shorter last one "
+                      "included.")
