@@ -472,3 +472,366 @@ def plot_accuracy_by_position(panels: Mapping[str, Mapping[str, Sequence[Sequenc
         fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize="small")
     fig.suptitle(title)
     return fig
+
+
+# ---- schematic diagrams drawn at run time: data parallelism (ch 11), tensor names (ch 12) -------------------------
+# The look of the stored diagrams of tools/make_diagrams.py (groundup.diagrams): a canvas measured in units of half an
+# inch, DejaVu Sans at 8 pt, Computer Modern maths, rounded boxes filled by kind. These two are drawn when the
+# notebook runs because what they show comes from the package (the loaders' name tables) or from an argument (p).
+
+DIAGRAM_UNIT = 0.5  # inches per drawing unit, as in tools/make_diagrams.py
+DIAGRAM_INK = "#222222"
+DIAGRAM_COLORS = {  # (fill, edge) per kind of part: the palette of tools/make_diagrams.py
+    "attention": ("#cfe2f3", "#3d6b99"),
+    "norm": ("#ececec", "#666666"),
+    "ffn": ("#d9ead3", "#4e7d43"),
+    "embed": ("#fde9c9", "#a87a2f"),
+    "memory": ("#fff2cc", "#a88c2f"),
+    "tensor": ("#ffffff", "#7f7f7f"),
+}
+PROCESS_COLORS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2")  # one per process (the heads')
+MONO = "DejaVu Sans Mono"
+
+
+def _canvas(width: float, height: float):
+    """A figure ``width`` x ``height`` units with one frameless axes filling it, data coordinates in units."""
+    fig = plt.figure(figsize=(width * DIAGRAM_UNIT, height * DIAGRAM_UNIT))
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set(xlim=(0, width), ylim=(0, height), aspect="equal")
+    ax.axis("off")
+    return fig, ax
+
+
+def _label(ax, x, y, s, *, size=8.0, ha="center", va="center", color=DIAGRAM_INK, family="DejaVu Sans", **kw):
+    """Text in the diagrams' fonts (maths in Computer Modern, whatever the rcParams say)."""
+    return ax.text(x, y, s, ha=ha, va=va, fontsize=size, color=color, family=family, math_fontfamily="cm",
+                   linespacing=1.35, zorder=5, **kw)
+
+
+def _box(ax, x, y, w, h, text="", kind="tensor", *, size=8.0, family="DejaVu Sans", dashed=False):
+    """A rounded box centred at (x, y), filled with the colour of its kind, with centred text (dashed: a frame)."""
+    from matplotlib.patches import FancyBboxPatch
+
+    fill, edge = DIAGRAM_COLORS[kind]
+    ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0,rounding_size=0.12",
+                                facecolor="none" if dashed else fill, edgecolor=edge, linewidth=0.9,
+                                zorder=2, linestyle=(0, (3, 2)) if dashed else "solid"))
+    if text:
+        _label(ax, x, y, text, size=size, family=family)
+
+
+def _arrow(ax, a, b, *, color=DIAGRAM_INK, lw=0.9, style="-|>", connection=None):
+    """An arrow from point a to point b (optionally bent: a matplotlib connection style)."""
+    from matplotlib.patches import FancyArrowPatch
+
+    ax.add_patch(FancyArrowPatch(a, b, arrowstyle=style, mutation_scale=9, shrinkA=0, shrinkB=0, color=color,
+                                 linewidth=lw, connectionstyle=connection, zorder=1))
+
+
+def _chunks(ax, x, y, width, height, colors_of_chunk, gid: str):
+    """A gradient as a row of chunks centred at (x, y): chunk k is striped with the colours ``colors_of_chunk[k]``
+    (one colour: one process's numbers; p colours: the sum over all processes; none: partial sums, grey). Chunk
+    k's outline carries the id ``{gid}:{k}:{number of colours}``, so a test can read what the picture shows."""
+    n = len(colors_of_chunk)
+    w = width / n
+    for k, colors in enumerate(colors_of_chunk):
+        x0 = x - width / 2 + k * w
+        stripes = colors or ["#dddddd"]
+        for j, color in enumerate(stripes):
+            ax.add_patch(Rectangle((x0 + j * w / len(stripes), y - height / 2), w / len(stripes), height,
+                                   facecolor=color, edgecolor="none", alpha=0.85, zorder=2))
+        ax.add_patch(Rectangle((x0, y - height / 2), w, height, facecolor="none", edgecolor="#555555",
+                               linewidth=0.6, zorder=3, gid=f"{gid}:{k}:{len(colors or [])}"))
+
+
+def _ring_row(ax, xs, y, strip, lane):
+    """The ring's links at height y: process r sends to r + 1, the last one back to the first over ``lane``."""
+    for a, b in zip(xs, xs[1:]):
+        _arrow(ax, (a + strip / 2 + 0.08, y), (b - strip / 2 - 0.08, y))
+    right, left = xs[-1] + strip / 2 + 0.08, xs[0] - strip / 2 - 0.08
+    ax.plot([right, right + 0.25, right + 0.25, left - 0.25, left - 0.25], [y, y, lane, lane, y],
+            color=DIAGRAM_INK, linewidth=0.9, zorder=1, solid_joinstyle="miter")
+    _arrow(ax, (left - 0.25, y), (left, y))
+
+
+def plot_data_parallel(n_processes: int = 3):
+    """Data-parallel training, one step, as chapter 11 derives and runs it, for ``n_processes`` = p processes.
+
+    From the top: one batch of B windows, cut into p shards S_1 … S_p; every process holds a full copy of the
+    model θ and runs forward and backward on its shard, giving its loss L_r and gradient g_r (11.2); the ring
+    all-reduce (reduce-scatter, then all-gather, p − 1 steps each) leaves the sum of all g_r in every process, each
+    having sent 2(p − 1)/p · N b bytes (11.5); divided by p that is the gradient of the whole batch (11.3), and
+    every process makes the same AdamW step. Each gradient is drawn as p chunks in its process's colour; a summed
+    chunk is striped with all p colours; a grey chunk holds partial sums that the all-gather overwrites.
+    """
+    if isinstance(n_processes, bool) or not isinstance(n_processes, int) or not 2 <= n_processes <= 6:
+        raise ValueError(f"n_processes must be an integer from 2 to 6 (the diagram's columns), got {n_processes!r}")
+    p = n_processes
+    width, height, left = 13.6, 11.4, 2.9
+    fig, ax = _canvas(width, height)
+    col = (width - left - 0.3) / p
+    xs = [left + col * (r + 0.5) for r in range(p)]
+    box_w, strip = col - 0.35, min(col - 0.9, 2.2)
+    colors = PROCESS_COLORS[:p]
+    _label(ax, 0.2, height - 0.2, f"Data-parallel training: one step on $p = {p}$ processes", size=9.5, ha="left",
+           va="top", fontweight="bold")
+    rows = {"batch": 9.9, "model": 8.8, "backward": 7.7, "grad": 6.65, "scatter": 5.35, "gather": 4.05,
+            "average": 2.45, "step": 1.35}
+    stage = {"batch": "one batch of $B$ windows,\ncut into $p$ shards",
+             "model": "every process: a full\ncopy of the model",
+             "backward": "forward and backward\non its own shard",
+             "grad": "its gradient $\\mathbf{g}_r$,\nin $p$ chunks of $N/p$",
+             "scatter": "all-reduce, part 1:\nreduce-scatter,\n$p - 1$ steps",
+             "gather": "all-reduce, part 2:\nall-gather,\n$p - 1$ steps",
+             "average": "divide by $p$",
+             "step": "the same step\nin every process"}
+    for key, text in stage.items():
+        _label(ax, 0.2, rows[key], text, size=7.5, ha="left", color="#555555", style="italic")
+    for r, (x, color) in enumerate(zip(xs, colors), start=1):  # the batch, cut into shards; each process alone
+        ax.add_patch(Rectangle((x - col / 2 + 0.04, rows["batch"] - 0.3), col - 0.08, 0.6, facecolor=color,
+                               alpha=0.3, edgecolor=color, linewidth=0.9, zorder=2))
+        _label(ax, x, rows["batch"], f"shard $S_{r}$: $B/p$ rows")
+        _arrow(ax, (x, rows["batch"] - 0.32), (x, rows["model"] + 0.36))
+        _box(ax, x, rows["model"], box_w, 0.7, f"process {r}: model $\\theta$", "embed")
+        _arrow(ax, (x, rows["model"] - 0.36), (x, rows["backward"] + 0.36))
+        _box(ax, x, rows["backward"], box_w, 0.7, f"loss $\\mathcal{{L}}_{r}$ (11.2), gradient $\\mathbf{{g}}_{r}$",
+             "ffn")
+        _arrow(ax, (x, rows["backward"] - 0.36), (x, rows["grad"] + 0.22))
+        _chunks(ax, x, rows["grad"], strip, 0.4, [[color]] * p, f"gradient:{r}")
+        _label(ax, x - strip / 2 - 0.12, rows["grad"], f"$\\mathbf{{g}}_{r}$", ha="right")
+    middle = left + (width - left - 0.3) / 2
+    _box(ax, middle, (rows["scatter"] + rows["gather"]) / 2 - 0.2, width - left - 0.2, 3.05, "", "tensor",
+         dashed=True)  # the ring all-reduce, in a dashed frame
+    for r, x in enumerate(xs):
+        owned = (r + 1) % p  # after reduce-scatter, process r holds chunk r + 1 summed (Exercise 11.1's ring)
+        _chunks(ax, x, rows["scatter"], strip, 0.4, [list(colors) if k == owned else None for k in range(p)],
+                f"reduce-scatter:{r + 1}")
+        _chunks(ax, x, rows["gather"], strip, 0.4, [list(colors)] * p, f"all-gather:{r + 1}")
+        _arrow(ax, (x, rows["grad"] - 0.22), (x, rows["scatter"] + 0.22), connection="arc3,rad=0")
+        _arrow(ax, (x, rows["gather"] - 0.22), (x, rows["average"] + 0.36))
+    _ring_row(ax, xs, rows["scatter"], strip, rows["scatter"] + 0.45)
+    _ring_row(ax, xs, rows["gather"], strip, rows["gather"] + 0.45)
+    _label(ax, middle, rows["gather"] - 0.75, "every process sends $2(p-1)$ chunks of $N/p$ numbers of $b$ bytes: "
+           "$2(p-1)\\,N\\,b\\,/\\,p$ bytes (11.5)", size=7.5,
+           bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})
+    for x in xs:  # the same average and the same step everywhere
+        _box(ax, x, rows["average"], box_w, 0.7,
+             "$\\frac{1}{p}\\sum_r \\mathbf{g}_r = \\nabla_\\theta \\mathcal{L}$ (11.3)", "memory")
+        _arrow(ax, (x, rows["average"] - 0.36), (x, rows["step"] + 0.36))
+        _box(ax, x, rows["step"], box_w, 0.7, "AdamW: the same new $\\theta$", "embed")
+    _label(ax, 0.2, 0.35, "Chunks: one colour, one process's numbers; striped, the sum over all $p$ processes; "
+           "grey, partial sums that the all-gather overwrites.", size=7, ha="left", color="#555555")
+    return fig
+
+
+BLOCK_ORDER = ("norm_1", "attention.W_q", "attention.W_k", "attention.W_v", "attention.W_o", "norm_2", "ffn.W_gate",
+               "ffn.W_in", "ffn.W_out")
+"""The modules of a block of the book's ``GPT``, in its own order (for sorting the rows; any other module follows)."""
+BLOCK_SYMBOLS = {"norm_1": r"$\gamma, \beta$ of norm 1", "attention.W_q": r"$\mathbf{W}_Q$",
+                 "attention.W_k": r"$\mathbf{W}_K$", "attention.W_v": r"$\mathbf{W}_V$",
+                 "attention.W_o": r"$\mathbf{W}_O$", "norm_2": r"$\gamma, \beta$ of norm 2",
+                 "ffn.W_gate": r"$\mathbf{W}_\mathrm{gate}$",
+                 "ffn.W_in": r"$\mathbf{W}_\mathrm{in}$ or $\mathbf{W}_\mathrm{up}$",
+                 "ffn.W_out": r"$\mathbf{W}_\mathrm{out}$ or $\mathbf{W}_\mathrm{down}$"}
+"""The chapters' symbol for each module of a block (chapter 12 writes W_up, W_down for LLaMA's W_in, W_out)."""
+_SUFFIXES = (".weight", ".bias")
+
+
+def _module(name: str, prefix: str, where: str) -> tuple[str, str]:
+    """``prefix`` + module + ``.weight``/``.bias`` -> (module, suffix)."""
+    for suffix in _SUFFIXES:
+        if name.startswith(prefix) and name.endswith(suffix):
+            return name[len(prefix):-len(suffix)], suffix
+    raise ValueError(f"{where}: tensor name {name!r} is not {prefix!r} + a module + .weight or .bias")
+
+
+def _block_prefix(names, layer: int, column: str) -> str:
+    """The part of a checkpoint's names before block ``layer``'s modules, e.g. ``transformer.h.0.``."""
+    import re
+
+    found = {m.group(1) for m in (re.match(rf"^((?:[^.]+\.)*?{layer}\.)", n) for n in names) if m}
+    if len(found) != 1:
+        raise ValueError(f"column {column!r}: block {layer}'s tensor names must share one prefix ending in "
+                         f"'{layer}.', found {sorted(found)}")
+    return found.pop()
+
+
+def tensor_name_rows(columns: Mapping[str, Mapping[str, str]], *, layer: int = 0):
+    """The tensor-name map of one block, row by row, from loaders' name tables.
+
+    ``columns`` maps a column title to a loader's table, our parameter name -> the checkpoint's tensor name (the
+    second value of :func:`groundup.pretrained.gpt2_state_dict` or ``llama_state_dict``, or
+    :func:`groundup.pretrained.gguf_tensor_names`). Only block ``layer`` is kept. Returns ``(rows, prefixes,
+    suffixes)``: ``rows`` is a list of ``(our module, (the module's name in each column, or None))``, in the block's
+    order (``BLOCK_ORDER``); ``prefixes[column]`` is what precedes a module's name there (``transformer.h.0.``) and
+    ``suffixes[column]`` the endings it has (``(".weight", ".bias")``). A module whose ``.weight`` and ``.bias``
+    come from different modules of a checkpoint is refused.
+    """
+    if not columns:
+        raise ValueError("columns must name at least one loader table")
+    ours_prefix = f"blocks.{layer}."
+    found: dict[str, dict[str, str]] = {}
+    prefixes, suffixes = {}, {}
+    for column, table in columns.items():
+        block = {ours: theirs for ours, theirs in table.items() if ours.startswith(ours_prefix)}
+        if not block:
+            raise ValueError(f"column {column!r} has no tensor of block {layer} (no name starts with {ours_prefix!r})")
+        prefixes[column] = prefix = _block_prefix(block.values(), layer, column)
+        ends = set()
+        for ours, theirs in block.items():
+            module, suffix = _module(ours, ours_prefix, f"column {column!r}")
+            their_module, their_suffix = _module(theirs, prefix, f"column {column!r}")
+            ends.add(their_suffix)
+            if found.setdefault(module, {}).setdefault(column, their_module) != their_module:
+                raise ValueError(f"column {column!r}: {module}'s weight and bias come from different tensors "
+                                 f"({found[module][column]!r}, {their_module!r})")
+        suffixes[column] = tuple(s for s in _SUFFIXES if s in ends)
+    order = sorted(found, key=lambda m: (BLOCK_ORDER.index(m) if m in BLOCK_ORDER else len(BLOCK_ORDER), m))
+    rows = [(module, tuple(found[module].get(column) for column in columns)) for module in order]
+    return rows, prefixes, suffixes
+
+
+def _conversion(value, source) -> str | None:
+    """How ``value`` was made from ``source``: copied (""), transposed, split (a slice along the first axis) or
+    split and transposed; None if it is none of these."""
+    import torch
+
+    for kind, whole in (("", source), ("transposed", source.t() if source.dim() == 2 else None)):
+        if whole is None or whole.shape[1:] != value.shape[1:] or whole.shape[0] % value.shape[0]:
+            continue
+        if any(torch.equal(value, part) for part in whole.split(value.shape[0])):
+            return ", ".join(w for w in ("split" if whole.shape[0] > value.shape[0] else "", kind) if w)
+    return None
+
+
+def loader_conversions(state: Mapping, tensors: Mapping, sources: Mapping[str, str]) -> dict[str, str]:
+    """What a loader did to each tensor, found from the values: our name -> ``""`` (copied), ``"transposed"``,
+    ``"split"`` (a slice of the checkpoint's tensor) or ``"split, transposed"``.
+
+    ``state`` and ``sources`` are what a loader returns (our name -> tensor, our name -> the checkpoint's name) and
+    ``tensors`` the checkpoint's tensors under those names. With random weights a transposed or sliced copy cannot
+    pass for another; a tensor that is none of these is refused.
+    """
+    found = {}
+    for ours, theirs in sources.items():
+        if ours not in state or theirs not in tensors:
+            raise ValueError(f"sources maps {ours!r} to {theirs!r}, but state or tensors lacks it")
+        kind = _conversion(state[ours], tensors[theirs])
+        if kind is None:
+            raise ValueError(f"{ours} is not {theirs!r} copied, transposed or sliced")
+        found[ours] = kind
+    return found
+
+
+def _mono_width(names, size: float) -> float:
+    """The width in diagram units of the longest of ``names`` in DejaVu Sans Mono at ``size`` points."""
+    return max([len(n) for n in names if n] + [1]) * MONO_ADVANCE * size / 72 / DIAGRAM_UNIT
+
+
+def _name_columns_x(order, box_ws, noted) -> tuple[list[float], list[float]]:
+    """The centre x and the width of each column: its boxes or its bold title, whichever is wider; the spare width
+    goes to the gaps, two and a half times as much to a gap whose lines carry notes."""
+    widths = [max(b, len(t or "the book") * 0.62 * 8 / 72 / DIAGRAM_UNIT + 0.1) for t, b in zip(order, box_ws)]
+    spare = 13.6 - 0.4 - sum(widths)
+    weights = [2.5 if n else 1.0 for n in noted]
+    if spare < 0.5 * len(noted):
+        raise ValueError("the names are too long for the book's column: use fewer columns")
+    xs, x = [], 0.2
+    for w, g in zip(widths, [spare * w_ / sum(weights) for w_ in weights] + [0.0]):
+        xs.append(x + w / 2)
+        x += w + g
+    return xs, widths
+
+
+def _book_column(ax, rows, x, w, y_of, row_h, size, header):
+    """The book's column: each module's symbol over its attribute, coloured as the diagrams colour its kind."""
+    _label(ax, x, header + 0.75, "the book", size=8, fontweight="bold")
+    _label(ax, x, header + 0.35, "blocks.$\\ell$.", size=size, family=MONO)
+    _label(ax, x, header + 0.05, "(module of GPT)", size=6.5, color="#555555")
+    for y, (module, _) in zip(y_of, rows):
+        kind = "attention" if module.startswith("attention") else "ffn" if module.startswith("ffn") else "norm"
+        _box(ax, x, y, w, row_h - 0.12, "", kind)
+        _label(ax, x, y + 0.15, BLOCK_SYMBOLS.get(module, module), size=size)
+        _label(ax, x, y - 0.16, module, size=size - 0.5, family=MONO)
+
+
+def plot_tensor_names(columns: Mapping[str, Mapping[str, str]], *, left: int = 1, layer: int = 0,
+                      notes: Mapping[str, Mapping[str, str]] | None = None,
+                      title: str = "One block's tensors under four names"):
+    """Three or more columns joined by lines: the names of one block's tensors in checkpoints and in the book.
+
+    ``columns`` as for :func:`tensor_name_rows` (the rows are its rows); the first ``left`` columns are drawn left
+    of the book's column, the others right of it, each joined by a line per row to its neighbour on the book's
+    side, so the names in one row are the same tensor. A checkpoint module that holds several of ours (GPT-2's
+    ``c_attn``: W_Q, W_K, W_V) is one tall box with a line to each. ``notes[column]`` maps our module
+    (``attention.W_o``) or parameter name (as :func:`loader_conversions` gives them) to a note written on the
+    line into that column ("transposed"). Names are shown without the block's prefix (in the column's header,
+    with the block number as ℓ) and without ``.weight`` / ``.bias`` (the header lists the endings).
+    """
+    if isinstance(left, bool) or not isinstance(left, int) or not 0 <= left <= len(columns):
+        raise ValueError(f"left must be an integer from 0 to the number of columns ({len(columns)}), got {left!r}")
+    unknown = sorted(set(notes or {}) - set(columns))
+    if unknown:
+        raise ValueError(f"notes names columns that columns lacks: {unknown}")
+    notes = {column: _module_notes(found, layer) for column, found in (notes or {}).items()}
+    rows, prefixes, suffixes = tensor_name_rows(columns, layer=layer)
+    titles, size, row_h = list(columns), 7.0, 0.78
+    order = titles[:left] + [None] + titles[left:]  # None: the book's column
+    box_ws = [_mono_width([m for m, _ in rows] if t is None else [r[1][titles.index(t)] for r in rows], size)
+              + 0.45 for t in order]
+    noted = [bool(notes.get(order[j + 1 if j >= left else j])) for j in range(len(order) - 1)]
+    xs, _ = _name_columns_x(order, box_ws, noted)
+    height, top = 1.75 + len(rows) * row_h + 0.95, 1.75
+    fig, ax = _canvas(13.6, height)
+    _label(ax, 0.2, height - 0.2, title, size=9.5, ha="left", va="top", fontweight="bold")
+    y_of = [height - top - (i + 0.5) * row_h for i in range(len(rows))]
+    header = height - top + 0.1
+    _book_column(ax, rows, xs[left], box_ws[left], y_of, row_h, size, header)
+    for j, column in enumerate(order):
+        if column is None:
+            continue
+        _label(ax, xs[j], header + 0.75, column, size=8, fontweight="bold")
+        _label(ax, xs[j], header + 0.35, prefixes[column][:-len(f"{layer}.")] + "$\\ell$.", size=size, family=MONO)
+        _label(ax, xs[j], header + 0.05, "(" + ", ".join(suffixes[column]) + ")", size=6.5, color="#555555")
+        toward = j + 1 if j < left else j - 1  # the neighbour on the book's side
+        _draw_name_column(ax, rows, titles.index(column), (xs[j], box_ws[j]), (xs[toward], box_ws[toward]), y_of,
+                          row_h, size, notes.get(column, {}))
+    _label(ax, 0.2, 0.3, "Rows: the same tensor. Names without their prefix (above each column, ℓ the block) and "
+           "ending (.weight, .bias).", size=6.5, ha="left", color="#555555")
+    return fig
+
+
+def _module_notes(notes: Mapping[str, str], layer: int) -> dict[str, str]:
+    """Notes keyed by our module (``attention.W_o``), from notes keyed by module or by parameter name
+    (``blocks.0.attention.W_o.weight``, as :func:`loader_conversions` gives them: other blocks and biases dropped)."""
+    prefix = f"blocks.{layer}."
+    return {name.removeprefix(prefix).removesuffix(".weight"): note for name, note in notes.items()
+            if note and (not name.startswith("blocks.") or name.startswith(prefix) and name.endswith(".weight"))}
+
+
+def _draw_name_column(ax, rows, k, at, to, y_of, row_h, size, notes):
+    """Column ``k``'s boxes at ``at`` = (x, width) (a module over consecutive rows as one box) and their lines to the
+    boxes at ``to``, with each module's note on its lines."""
+    (x, w), (x_to, w_to) = at, to
+    i = 0
+    while i < len(rows):
+        name = rows[i][1][k]
+        j = i
+        while j + 1 < len(rows) and name is not None and rows[j + 1][1][k] == name:
+            j += 1
+        top, bottom = y_of[i] + (row_h - 0.12) / 2, y_of[j] - (row_h - 0.12) / 2
+        if name is None:
+            _label(ax, x, y_of[i], "(none)", size=size - 0.5, color="#999999")
+        else:
+            _box(ax, x, (top + bottom) / 2, w, top - bottom, name, "tensor", size=size, family=MONO)
+            sign = 1 if x_to > x else -1
+            start, end = x + sign * w / 2, x_to - sign * w_to / 2
+            mid = (top + bottom) / 2
+            for row in range(i, j + 1):  # from the box's middle, bent once toward each of its rows
+                ax.plot([start, (start + end) / 2, end], [mid, y_of[row], y_of[row]], color="#555555",
+                        linewidth=0.8, zorder=1)
+            note = notes.get(rows[i][0], "")
+            if note:
+                _label(ax, (start + end) / 2, (top + bottom) / 2, note.replace(", ", ",\n"), size=6.5,
+                       color="#a64d4d", bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+        i = j + 1
