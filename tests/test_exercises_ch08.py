@@ -335,3 +335,19 @@ def test_checkers_leave_the_global_random_state_alone():
 def _unwrapped_verdicts(monkeypatch):
     """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
     monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)
+
+
+def test_the_benchmarks_kv_cache_bytes_is_refused(capsys):
+    from groundup.bench import generation as bench_generation
+    from groundup.models import GPTConfig
+
+    def via_the_package(n_layers, n_heads, d_head, n_tokens, bytes_per_number):
+        config = GPTConfig(vocab_size=2, context_length=n_tokens, d_model=n_heads * d_head, n_layers=n_layers,
+                           n_heads=n_heads)
+        return bench_generation.kv_cache_bytes(config, n_tokens, bytes_per_number=bytes_per_number)
+
+    assert not check_kv_cache_memory(via_the_package)
+    out = capsys.readouterr().out
+    assert "calls groundup.bench.generation.kv_cache_bytes" in out and "compute it yourself" in out, out
+    config = GPTConfig(vocab_size=2, context_length=4, d_model=8, n_layers=3, n_heads=2)
+    assert bench_generation.kv_cache_bytes(config, 4) == 2 * 3 * 8 * 4 * 4, "the package works again afterwards"

@@ -106,6 +106,49 @@ def test_cross_entropy_on_the_selected_positions_passes_and_ignore_index_is_refu
         assert "skips the -100 targets by ignore_index" in out and "without ignore_index" in out, out
 
 
+def _aten_nll(logits, targets):
+    out, _ = torch.ops.aten.nll_loss_forward(logits.flatten(0, 1).log_softmax(-1), targets.flatten(), None, 1, -100)
+    return out
+
+
+def _aten_overload_nll(logits, targets):
+    return torch.ops.aten.nll_loss_forward.default(logits.flatten(0, 1).log_softmax(-1), targets.flatten(), None, 1,
+                                                   -100)[0]
+
+
+def _aten_nll_2d(logits, targets):
+    log_probs = logits.log_softmax(-1).transpose(1, 2)[..., None]  # (batch, vocab, seq, 1)
+    return torch.ops.aten.nll_loss2d_forward(log_probs, targets[..., None], None, 1, -100)[0]
+
+
+def _aten_cross_entropy(logits, targets):
+    return torch.ops.aten.cross_entropy_loss(logits.flatten(0, 1), targets.flatten())
+
+
+_PREMADE = torch.ops.aten.nll_loss_forward.default  # taken before the checker runs
+
+
+@pytest.mark.parametrize("through_aten", [_aten_nll, _aten_overload_nll, _aten_nll_2d, _aten_cross_entropy,
+                                          lambda lg, t: _PREMADE(lg.flatten(0, 1).log_softmax(-1), t.flatten(),
+                                                                 None, 1, -100)[0]])
+def test_torchs_operators_with_ignore_index_are_refused_too(through_aten, capsys):
+    assert not check_masked_loss(through_aten)
+    out = capsys.readouterr().out
+    assert "skips the -100 targets by ignore_index" in out and "without ignore_index" in out, out
+    logits, targets = torch.randn(2, 3, 4, dtype=torch.float64), torch.tensor([[1, -100, 2], [-100, 0, 3]])
+    keep = targets != -100
+    assert torch.allclose(torch.as_tensor(through_aten(logits, targets)),
+                          F.cross_entropy(logits[keep], targets[keep])), "the operators work again afterwards"
+
+
+def test_an_operator_on_the_selected_positions_alone_passes(capsys):
+    def selected_then_aten(logits, targets):
+        keep = targets != -100
+        return torch.ops.aten.nll_loss_forward(logits[keep].log_softmax(-1), targets[keep], None, 1, -100)[0]
+
+    assert check_masked_loss(selected_then_aten), capsys.readouterr().out
+
+
 def test_the_packages_masking_is_refused(capsys):
     from groundup.masking import apply_masking as package
 

@@ -146,6 +146,22 @@ def test_tensor_permutation_is_accepted(capsys):
     assert ok, out
 
 
+@pytest.mark.parametrize("answer, message, hint", [
+    (lambda d: [float(i) for i in permutation_solution(d)], "returned a list whose entries are float (e.g. 0.0)",
+     "The entries must be ints: indices into x (int(i) for i in ...)."),
+    (lambda d: [True, False], "returned a list whose entries are bool (e.g. True)", "The entries must be ints"),
+    (lambda d: torch.tensor(permutation_solution(d), dtype=torch.float32),
+     "returned a tensor whose entries are float (e.g. 0.0)", "The entries must be ints"),
+    (lambda d: permutation_solution(d)[:-1], "returned a list of 1 entry, expected 2",
+     "Return a list of 2 ints: one index of x for each position"),
+    (lambda d: "0 1", "returned str", "Return a list of 2 ints"),
+])
+def test_an_answer_of_the_wrong_kind_is_told_what_is_wrong_with_it(answer, message, hint, capsys):
+    ok, out = verdict(check_rotary_permutation, answer, capsys)
+    out = " ".join(out.split())
+    assert not ok and f"my_rotary_permutation(2) {message}" in out and hint in out, out
+
+
 # --- 12.6 and 12.7: quantization -----------------------------------------------------------------------------
 
 

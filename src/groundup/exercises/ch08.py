@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from groundup import generation
+from groundup.bench.generation import kv_cache_bytes
 from groundup.exercises.checking import (
     Mismatch,
     ReaderError,
@@ -31,13 +32,14 @@ _TOLERANCE = {torch.float64: dict(rtol=1e-9, atol=1e-12), torch.float32: dict(rt
 
 
 _PACKAGE = (generation.top_k_filter, generation.top_p_filter)  # the package's own solutions
+_PACKAGE_KV = (kv_cache_bytes,)  # the benchmark's KV cache size: the package's answer to Exercise 8.4
 
 
-def _call(fn: Callable, call: str, *args, input_name: str = "logits"):
-    """``fn(*args)`` through :func:`call_reader` (copies of the inputs, a time bound, the package's filters
-    refused); a :class:`Mismatch` if ``fn`` modified its input in place."""
+def _call(fn: Callable, call: str, *args, input_name: str = "logits", forbid: tuple = _PACKAGE):
+    """``fn(*args)`` through :func:`call_reader` (copies of the inputs, a time bound, the package's solutions in
+    ``forbid`` refused); a :class:`Mismatch` if ``fn`` modified its input in place."""
     names = (input_name,) + tuple(f"argument {i + 2}" for i in range(len(args) - 1))
-    return call_reader(fn, *args, call=call, names=names, forbid=_PACKAGE)
+    return call_reader(fn, *args, call=call, names=names, forbid=forbid)
 
 
 def _call_or_hint(fn: Callable, call: str, *args, hint: str):
@@ -270,7 +272,8 @@ def check_top_p_filter(fn: Callable) -> Verdict:
 
 
 def check_kv_cache_memory(fn: Callable) -> Verdict:
-    """Exercise 8.4: ``fn(n_layers, n_heads, d_head, n_tokens, bytes_per_number)`` is the KV cache's size in bytes."""
+    """Exercise 8.4: ``fn(n_layers, n_heads, d_head, n_tokens, bytes_per_number)`` is the KV cache's size in bytes
+    (an int); the benchmark's ``groundup.bench.generation.kv_cache_bytes`` is refused."""
 
     def expected(n_layers, n_heads, d_head, n_tokens, b):
         return 2 * n_layers * n_heads * d_head * n_tokens * b
@@ -280,7 +283,7 @@ def check_kv_cache_memory(fn: Callable) -> Verdict:
         for args in [(6, 6, 64, 256, 4), (4, 4, 32, 256, 4), (12, 12, 64, 1024, 2), (32, 32, 128, 4096, 2)]:
             call = f"kv_cache_memory{args}"
             want = expected(*args)
-            got = expect_integer(_call(fn, call, *args, input_name="n_layers"), call,
+            got = expect_integer(_call(fn, call, *args, input_name="n_layers", forbid=_PACKAGE_KV), call,
                                  "Return the number of bytes as an int (a whole number: use * and //, not /).")
             hint = "Per token and per layer the cache holds a key and a value vector for each head."
             if got == want // 2:

@@ -11,8 +11,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from groundup import masking
+from groundup.exercises import sandbox
 from groundup.exercises.checking import (
     Forbidden,
     Verdict,
@@ -52,10 +54,33 @@ def _leaves_positions_to_ignore_index(args: tuple, kwargs: dict) -> bool:
 
 _IGNORE_INDEX_HINT = ("The exercise asks you to select the positions yourself, without ignore_index: build the "
                       "boolean mask targets != -100 and average -log P(target) over those positions only.")
+_IGNORE_INDEX_LABEL = "a cross-entropy that skips the -100 targets by ignore_index"
 _IGNORE_INDEX = tuple(Forbidden(torch._C._nn, name, when=_leaves_positions_to_ignore_index,
-                                label="a cross-entropy that skips the -100 targets by ignore_index",
-                                hint=_IGNORE_INDEX_HINT)
+                                label=_IGNORE_INDEX_LABEL, hint=_IGNORE_INDEX_HINT)
                       for name in ("cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss2d"))
+_NLL_KERNELS = (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)
+
+
+class _IgnoreIndexWatch(TorchDispatchMode):
+    """Sees every operator the reader's code runs, however it was reached (``F.cross_entropy``,
+    ``torch.ops.aten.nll_loss_forward``, an overload kept from before the check), and refuses the NLL kernels every
+    cross-entropy ends in when they are left to skip targets equal to their ``ignore_index``."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NLL_KERNELS and _leaves_positions_to_ignore_index(args, kwargs):
+            sandbox._trip(_IGNORE_INDEX_LABEL)  # recorded even if the reader's code catches it
+        return func(*args, **kwargs)
+
+
+def _watched(fn: Callable) -> Callable:
+    """``fn`` run under :class:`_IgnoreIndexWatch` (a dispatch mode is per thread: entered in the reader's worker)."""
+
+    def masked_loss(*args):
+        with _IgnoreIndexWatch():
+            return fn(*args)
+
+    return masked_loss
 
 
 def check_masked_loss(fn: Callable) -> Verdict:
@@ -67,7 +92,7 @@ def check_masked_loss(fn: Callable) -> Verdict:
         for (logits, targets), want in zip(cases, expected):
             call = f"masked_loss(logits of shape {tuple(logits.shape)}, targets with {(targets != -100).sum().item()} "\
                    "selected positions)"
-            got = expect_number(call_reader(fn, logits, targets, call=call, names=("logits", "targets"),
+            got = expect_number(call_reader(_watched(fn), logits, targets, call=call, names=("logits", "targets"),
                                             forbid=_IGNORE_INDEX), call)
             hint = ("Average -log softmax(logits)[target] over the selected positions only: select them with the "
                     "boolean mask targets != -100 (logits[selected], targets[selected]).")

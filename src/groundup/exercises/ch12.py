@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import struct
 import sys
 import warnings
@@ -162,6 +163,22 @@ def _rotary_hint(perm: list[int]) -> str:
     return ""
 
 
+def _expect_index_list(perm, d: int, call: str) -> list[int]:
+    """``perm`` (a list, tuple or 1-D tensor of ``d`` integers) as a list of ints; a :class:`Mismatch` naming what is
+    wrong with it otherwise (the container, the length, or the kind of its entries)."""
+    kind = "a tensor" if isinstance(perm, torch.Tensor) else f"a {type(perm).__name__}"
+    if isinstance(perm, torch.Tensor):
+        perm = perm.tolist() if perm.dim() == 1 else perm
+    expect(isinstance(perm, (list, tuple)), f"{call} returned {type(perm).__name__}", f"Return a list of {d} ints.")
+    expect(len(perm) == d, f"{call} returned {kind} of {len(perm)} {'entry' if len(perm) == 1 else 'entries'}, "
+           f"expected {d}", f"Return a list of {d} ints: one index of x for each position of x[perm].")
+    bad = [i for i in perm if not isinstance(i, numbers.Integral) or isinstance(i, bool)]
+    if bad:
+        raise Mismatch(f"{call} returned {kind} whose entries are {type(bad[0]).__name__} (e.g. {bad[0]!r})",
+                       "The entries must be ints: indices into x (int(i) for i in ...).")
+    return [int(i) for i in perm]
+
+
 def check_rotary_permutation(fn: Callable) -> Verdict:
     """Exercise 12.3: ``fn(d_head) -> perm`` (a list of d_head ints) with
     ``rope_interleaved(x[perm], t) == rope_half(x, t)[perm]`` for every vector x and position t."""
@@ -171,12 +188,7 @@ def check_rotary_permutation(fn: Callable) -> Verdict:
         for d in (2, 4, 8, 16):
             expected = [j for i in range(d // 2) for j in (i, i + d // 2)]
             call = f"my_rotary_permutation({d})"
-            perm = call_reader(fn, d, call=call)
-            if isinstance(perm, torch.Tensor):
-                perm = perm.tolist()
-            expect(isinstance(perm, (list, tuple)) and len(perm) == d and all(
-                isinstance(i, int) and not isinstance(i, bool) for i in perm),
-                f"{call} returned {type(perm).__name__}", f"Return a list of {d} ints.")
+            perm = _expect_index_list(call_reader(fn, d, call=call), d, call)
             expect(sorted(perm) == list(range(d)), f"{call} = {list(perm)} is not a permutation of 0..{d - 1}",
                    "Every index must appear exactly once.")
             x = torch.randn(d, generator=g, dtype=torch.float64)
