@@ -25,8 +25,16 @@ import statistics
 import torch
 from torch import nn
 
-from groundup.data import get_batch
-from groundup.training import TrainConfig, _check_data, _make_optimizer
+from groundup.training import (
+    TrainConfig,
+    _backward,
+    _check_data,
+    _check_model,
+    _clip_gradients,
+    _context_length,
+    _make_optimizer,
+    _next_batch,
+)
 
 __all__ = ["lr_range_test", "range_test_lrs", "smooth_losses", "moving_average", "suggest_lr"]
 
@@ -58,31 +66,26 @@ def lr_range_test(model: nn.Module, train_data, config: TrainConfig | None = Non
     ``model`` itself is left untouched (the test trains a deep copy), and so is the global random state
     (dropout draws from a saved and restored one).
     """
-    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
-        raise TypeError(f"model must be one of the book's models (GPT, ...), got {type(model).__name__}")
+    _check_model(model)
     config = TrainConfig(progress=False) if config is None else config
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig or None, got {type(config).__name__}")
     if stop_factor is not None and not (isinstance(stop_factor, (int, float)) and stop_factor > 1):
         raise ValueError(f"stop_factor must be a number > 1 or None, got {stop_factor!r}")
     lrs = range_test_lrs(lr_min, lr_max, steps)
-    n_c = config.context_length or model.config.context_length
-    if n_c > model.config.context_length:
-        raise ValueError(f"context_length {n_c} exceeds the model's context_length {model.config.context_length}")
+    n_c = _context_length(model, config)
     train_data = _check_data("train_data", train_data, n_c)
     device = next(model.parameters()).device
     trial = copy.deepcopy(model).train()
     optimizer = _make_optimizer(trial, config, device)
     generator = torch.Generator().manual_seed(config.seed)
-    clip = config.grad_clip if config.grad_clip is not None else math.inf
     recorded, best = [], math.inf
     with torch.random.fork_rng(devices=[]):
-        for lr in lrs:
+        for lr in lrs:  # train's step (groundup.training) at the test's rate instead of its schedule
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            x, y = get_batch(train_data, config.batch_size, n_c, generator=generator)
-            _, loss = trial(x.to(device), y.to(device))
-            value = loss.item()
+            inputs, targets = _next_batch(train_data, None, config.batch_size, n_c, generator)
+            value = _backward(trial, inputs, targets, device, optimizer).item()
             if not math.isfinite(value):
                 break
             recorded.append(value)
@@ -90,9 +93,7 @@ def lr_range_test(model: nn.Module, train_data, config: TrainConfig | None = Non
             best = min(best, smoothed)
             if stop_factor is not None and smoothed > stop_factor * best:
                 break
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(trial.parameters(), clip)
+            _clip_gradients(trial, config.grad_clip)
             optimizer.step()
     return lrs[:len(recorded)], recorded
 

@@ -171,6 +171,20 @@ class History:
     tokens: list[int] = field(default_factory=list)  # training tokens seen at each evaluation
     seconds: list[float] = field(default_factory=list)  # training time at each evaluation (not reproducible)
 
+    def add_step(self, step: int, train_loss: float, lr: float, grad_norm: float) -> None:
+        """Record update number ``step``: its batch's loss, its learning rate, its gradient norm before clipping."""
+        self.step.append(step)
+        self.train_loss.append(train_loss)
+        self.lr.append(lr)
+        self.grad_norm.append(grad_norm)
+
+    def add_evaluation(self, step: int, val_loss: float, tokens: int, seconds: float) -> None:
+        """Record the evaluation after update number ``step``."""
+        self.eval_step.append(step)
+        self.val_loss.append(val_loss)
+        self.tokens.append(tokens)
+        self.seconds.append(seconds)
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -537,38 +551,6 @@ def load_checkpoint(path, model: nn.Module | None = None, *, optimizer=None, sch
     return model, ckpt
 
 
-class _StopRequest:
-    """Turns Ctrl-C (SIGINT) into a request that the loop honours at the end of the current step."""
-
-    def __init__(self):
-        self.requested = False
-        self.agreed = False  # several processes: whether any had asked at the last all-reduce (see _split_step)
-        self._previous = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:  # a second Ctrl-C: stop at once
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-        return False
-
-
-def _progress_bar(config: TrainConfig, start: int):
-    from tqdm import tqdm
-
-    total = None if config.time_budget is not None else config.max_steps
-    return tqdm(total=total, initial=start, disable=not config.progress, unit="step",
-                mininterval=1.0, dynamic_ncols=True, leave=True)
-
-
 def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra: dict | None = None,
           callback=None, batches=None, accumulate: int = 1, distributed: bool = False) -> History:
     """Train ``model`` on ``train_data`` (1-D token ids), evaluating on ``val_data``; return the :class:`History`.
@@ -613,13 +595,88 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
     A loss or gradient norm that is not finite (a diverged run: too high a learning rate, no clipping) stops
     training with :class:`TrainingDiverged` before the update; the last checkpoint written stays the last good one.
     """
+    n_c, train_data, val_data = _checked_inputs(model, train_data, val_data, config, batches)
+    rank, world = _split_check(config, accumulate, distributed)
+    device = torch.device(config.device) if config.device else default_device()
+    model.to(device)
+    optimizer = _make_optimizer(model, config, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config) / config.learning_rate)
+    generator = torch.Generator().manual_seed(config.seed)  # the batch sampler's own random stream
+    saver = _Checkpoints(config, rank, model, optimizer, scheduler, generator, extra)
+    history, start = saver.resume(device) if config.resume else (History(), 0)
+    forward = model if not distributed else _wrap_ddp(model, device)  # DDP all-reduces gradients in backward
+    whole_batch = world == 1 and accumulate == 1
+    tokens_per_step = config.batch_size * n_c
+    model.train()
+    bar = _progress_bar(config if rank == 0 else dataclasses.replace(config, progress=False), start)
+    with _StopRequest() as stop, bar:
+        clock = _Clock(config, history, start, tokens_per_step)
+        for step in range(start, config.max_steps):
+            if clock.time_is_up(step, optimizer):  # a time budget; it also sets the rate by the time spent
+                break
+            inputs, targets = _next_batch(train_data, batches, config.batch_size, n_c, generator)
+            if whole_batch:
+                loss = _backward(model, inputs, targets, device, optimizer)
+            else:  # several processes and/or micro-batches (chapter 11)
+                loss = _split_step(forward, inputs, targets, device, optimizer, rank, world, accumulate, stop)
+            loss, grad_norm = loss.item(), _clip_gradients(model, config.grad_clip)
+            # a diverged run stops before the update, while the parameters are still those of the last step
+            saver.stop_if_diverged(step + 1, "the training loss", loss)
+            saver.stop_if_diverged(step + 1, "the gradient norm", grad_norm)
+            lr = _update(optimizer, scheduler)
+            history.add_step(step + 1, loss, lr, grad_norm)
+            bar.update(1)
+            done, out_of_time = step + 1, clock.out_of_time()
+            if done % config.eval_interval == 0 or done == config.max_steps or out_of_time:
+                tokens_per_second = clock.pause(done)
+                val = _validation_loss(model, val_data, config, n_c, batches, saver, done)
+                history.add_evaluation(done, val, done * tokens_per_step, clock.seconds)
+                bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}", tok_s=f"{tokens_per_second:,.0f}",
+                                refresh=False)
+                saver.save(done, history)
+                if callback is not None and rank == 0:
+                    callback(done, model)
+                    model.train()
+                clock.restart(done)
+            elif done % 10 == 0:
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            if out_of_time:
+                break
+            # several processes stop at the step they agreed on (a Ctrl-C arriving after the all-reduce counts
+            # at the next step: acted on at once, it would stop one process a step before the others)
+            if stop.agreed if world > 1 else stop.requested:
+                _interrupt(done, history, saver)
+    if distributed:
+        del forward
+        _wait_for_process_zero()
+    model.eval()
+    return history
+
+
+# ---- the steps of train, in the order it takes them ------------------------------------------------------------
+
+
+def _check_model(model) -> None:
+    """A ``TypeError`` unless ``model`` is one of the book's models (a module with a ``config``)."""
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"model must be one of the book's models (GPT, ...), got {type(model).__name__}")
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+
+
+def _context_length(model: nn.Module, config: TrainConfig) -> int:
+    """The length of the training windows: ``config.context_length``, else the model's; no longer than the model's."""
     n_c = config.context_length or model.config.context_length
     if n_c > model.config.context_length:
         raise ValueError(f"context_length {n_c} exceeds the model's context_length {model.config.context_length}")
+    return n_c
+
+
+def _checked_inputs(model, train_data, val_data, config, batches) -> tuple[int, object, object]:
+    """:func:`train`'s arguments checked, with a clear error: ``(context length, train_data, val_data)``, the data
+    as 1-D tensors of token ids unless a ``batches`` function reads them."""
+    _check_model(model)
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    n_c = _context_length(model, config)
     if batches is None:
         train_data = _check_data("train_data", train_data, n_c)
         val_data = _check_data("val_data", val_data, n_c)
@@ -629,134 +686,207 @@ def train(model: nn.Module, train_data, val_data, config: TrainConfig, *, extra:
     elif not config.eval_batches:
         raise ValueError("a run with batches= evaluates on config.eval_batches fixed batches: give eval_batches "
                          "(a number, not None)")
-    rank, world = _split_check(config, accumulate, distributed)
-    device = torch.device(config.device) if config.device else default_device()
-    model.to(device)
-    optimizer = _make_optimizer(model, config, device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config) / config.learning_rate)
-    generator = torch.Generator().manual_seed(config.seed)
-    history, start = History(), 0
-    out = Path(config.out_dir) if config.out_dir else None
-    ckpt_path = out / CHECKPOINT_NAME if out else None
-    if out is not None:
-        if ckpt_path.exists() and not config.resume:
-            raise FileExistsError(f"{ckpt_path} exists: pass resume=True (--resume) to continue that run, or choose "
+    return n_c, train_data, val_data
+
+
+class _Checkpoints:
+    """Where a run keeps its checkpoint and history (``config.out_dir``; None: nowhere), and what it last saved.
+
+    Made before training starts: it refuses to overwrite another run's checkpoint (without ``resume``) and to
+    resume from a missing one, creates the folder and removes the temporary files a killed run left there.
+    """
+
+    def __init__(self, config: TrainConfig, rank: int, model, optimizer, scheduler, generator, extra):
+        self.config, self.rank, self.extra = config, rank, extra
+        self.model, self.optimizer, self.scheduler, self.generator = model, optimizer, scheduler, generator
+        self.out = Path(config.out_dir) if config.out_dir else None
+        self.path = self.out / CHECKPOINT_NAME if self.out else None
+        self.saved = None  # the step of the last checkpoint on disk
+        if self.out is None:
+            return
+        if self.path.exists() and not config.resume:
+            raise FileExistsError(f"{self.path} exists: pass resume=True (--resume) to continue that run, or choose "
                                   "another out_dir")
-        if config.resume and not ckpt_path.exists():
-            raise FileNotFoundError(f"resume=True, but {ckpt_path} does not exist")
-        out.mkdir(parents=True, exist_ok=True)
+        if config.resume and not self.path.exists():
+            raise FileNotFoundError(f"resume=True, but {self.path} does not exist")
+        self.out.mkdir(parents=True, exist_ok=True)
         if rank == 0:
-            remove_stale_temporary_files(out)
-    if config.resume:
-        _, ckpt = load_checkpoint(ckpt_path, model, optimizer=optimizer, scheduler=scheduler)
-        model.to(device)
+            remove_stale_temporary_files(self.out)
+
+    def resume(self, device) -> tuple[History, int]:
+        """Load the checkpoint into the model, optimizer and schedule, restore both random states (PyTorch's
+        global one, which dropout draws from, and the batch sampler's); ``(history, step)`` to continue from."""
+        _, ckpt = load_checkpoint(self.path, self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        self.model.to(device)
         start = ckpt["step"]
         history = History.from_dict(ckpt["history"])
-        _check_resumed_step(ckpt_path, start, config, history)
-        check_random_states(ckpt, ckpt_path)
+        _check_resumed_step(self.path, start, self.config, history)
+        check_random_states(ckpt, self.path)
         torch.set_rng_state(ckpt["torch_rng"])
         if ckpt["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
-        generator.set_state(ckpt["sampler_rng"])
+        self.generator.set_state(ckpt["sampler_rng"])
+        self.saved = start
+        return history, start
 
-    saved = [start if config.resume else None]  # the step of the last checkpoint on disk
+    def stop_if_diverged(self, step: int, what: str, value: float) -> None:
+        """Raise :class:`TrainingDiverged` if ``value`` (``what``, at ``step``) is not finite."""
+        if not math.isfinite(value):
+            raise TrainingDiverged(_diverged_message(step, what, value, self.config, self.out, self.saved))
 
-    def checkpoint(step: int) -> None:
-        if out is None:
+    def save(self, step: int, history: History) -> None:
+        """Write the checkpoint and the history (process 0 only), never over a good checkpoint with a diverged
+        model (every process checks the same parameters, so all reach the same verdict)."""
+        if self.out is None:
             return
-        # never replace a good checkpoint by a diverged one (the same parameters, so the same verdict, everywhere)
-        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
-            raise TrainingDiverged(_diverged_message(step, "a parameter", math.nan, config, out, saved[0]))
-        if rank != 0:
+        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+            raise TrainingDiverged(_diverged_message(step, "a parameter", math.nan, self.config, self.out, self.saved))
+        if self.rank != 0:
             return
-        saved[0] = step
-        save_checkpoint(ckpt_path, model, optimizer=optimizer, scheduler=scheduler, step=step, train_config=config,
-                        history=history, generator=generator, extra=extra)
-        atomic_write_bytes(out / HISTORY_NAME, json.dumps(history.as_dict()).encode())
+        self.saved = step
+        save_checkpoint(self.path, self.model, optimizer=self.optimizer, scheduler=self.scheduler, step=step,
+                        train_config=self.config, history=history, generator=self.generator, extra=self.extra)
+        atomic_write_bytes(self.out / HISTORY_NAME, json.dumps(history.as_dict()).encode())
 
-    tokens_per_step = config.batch_size * n_c
-    seconds = history.seconds[-1] if history.seconds else 0.0
-    warm_seconds = None  # a time-budgeted run: when the warm-up ended
-    forward = model if not distributed else _wrap_ddp(model, device)  # DDP all-reduces gradients in backward
+
+def _progress_bar(config: TrainConfig, start: int):
+    """A tqdm bar over the steps (over time: no total), starting at ``start``; silent when ``progress`` is off."""
+    from tqdm import tqdm
+
+    total = None if config.time_budget is not None else config.max_steps
+    return tqdm(total=total, initial=start, disable=not config.progress, unit="step",
+                mininterval=1.0, dynamic_ncols=True, leave=True)
+
+
+class _StopRequest:
+    """Turns Ctrl-C (SIGINT) into a request that the loop honours at the end of the current step."""
+
+    def __init__(self):
+        self.requested = False
+        self.agreed = False  # several processes: whether any had asked at the last all-reduce (see _split_step)
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:  # a second Ctrl-C: stop at once
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+class _Clock:
+    """A run's training time (evaluations left out, resumed runs included) and, with ``config.time_budget``, the
+    learning-rate schedule over that time."""
+
+    def __init__(self, config: TrainConfig, history: History, start: int, tokens_per_step: int):
+        self.config, self.tokens_per_step = config, tokens_per_step
+        self.seconds = history.seconds[-1] if history.seconds else 0.0  # trained before the current stretch
+        self.warm_seconds = None  # a time-budgeted run: when the warm-up ended
+        self.tick, self.tick_step = time.perf_counter(), start  # when and at which step the stretch began
+
+    def spent(self) -> float:
+        """Seconds of training so far, the current stretch included."""
+        return self.seconds + time.perf_counter() - self.tick
+
+    def time_is_up(self, step: int, optimizer) -> bool:
+        """Before step ``step`` of a time-budgeted run past its warm-up: whether the time is spent, and if not, set
+        every group's learning rate to the cosine's value at the fraction of the post-warm-up time spent
+        (:func:`lr_at` with ``progress``). A step-based run (or one still warming up) leaves the rate to the
+        scheduler: False."""
+        if self.config.time_budget is None:
+            return False
+        spent, warmup = self.spent(), self.config.warmup_steps
+        if step == warmup or self.warm_seconds is None and step > warmup:
+            self.warm_seconds = spent if step == warmup else 0.0
+        if self.warm_seconds is None:
+            return False
+        if spent >= self.config.time_budget:
+            return True
+        progress = (spent - self.warm_seconds) / max(self.config.time_budget - self.warm_seconds, 1e-9)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, self.config, progress=progress)
+        return False
+
+    def out_of_time(self) -> bool:
+        """Whether a time-budgeted run has spent its time (a step-based run: never)."""
+        return self.config.time_budget is not None and self.spent() >= self.config.time_budget
+
+    def pause(self, step: int) -> float:
+        """End the stretch of training at ``step`` (an evaluation follows); its training tokens per second."""
+        now = time.perf_counter()
+        self.seconds += now - self.tick
+        return (step - self.tick_step) * self.tokens_per_step / max(now - self.tick, 1e-9)
+
+    def restart(self, step: int) -> None:
+        """Start a new stretch of training after the evaluation at ``step``."""
+        self.tick, self.tick_step = time.perf_counter(), step
+
+
+def _next_batch(data, batches, batch_size: int, context_length: int, generator: torch.Generator):
+    """The next training batch, ``(inputs, targets)`` with ``inputs`` a tuple of the model's arguments: random
+    next-token windows of ``data`` (:func:`~groundup.data.get_batch`), or what ``batches`` draws; either way from
+    ``generator`` alone, so the data order is reproducible and resumable."""
+    if batches is None:
+        x, y = get_batch(data, batch_size, context_length, generator=generator)
+        return (x,), y
+    return _draw(batches, data, batch_size, context_length, generator)
+
+
+def _backward(model: nn.Module, inputs: tuple, targets: torch.Tensor, device, optimizer) -> torch.Tensor:
+    """Forward and backward of one whole batch: the old gradients cleared, the gradient of the batch's mean loss
+    left in the parameters; returns that loss."""
+    _, loss = model(*(t.to(device) for t in inputs), targets.to(device))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    return loss
+
+
+def _clip_gradients(model: nn.Module, grad_clip: float | None) -> float:
+    """Scale the gradients so that their global norm is at most ``grad_clip`` (None: leave them); the norm before."""
+    clip = grad_clip if grad_clip is not None else math.inf
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+
+
+def _update(optimizer, scheduler) -> float:
+    """One update at the scheduled learning rate, then the schedule's next rate; returns the rate used."""
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    scheduler.step()
+    return lr
+
+
+def _validation_loss(model, val_data, config: TrainConfig, n_c: int, batches, saver: _Checkpoints,
+                     step: int) -> float:
+    """The validation loss after ``step`` (:func:`evaluate` on ``config.eval_batches`` batches); the model is back
+    in training mode afterwards, and a loss that is not finite stops the run."""
+    val = evaluate(model, val_data, batch_size=config.batch_size, context_length=n_c,
+                   max_batches=config.eval_batches, batches=batches)
     model.train()
-    bar = _progress_bar(config if rank == 0 else dataclasses.replace(config, progress=False), start)
-    with _StopRequest() as stop, bar:
-        tick, tick_step = time.perf_counter(), start
-        for step in range(start, config.max_steps):
-            if config.time_budget is not None:
-                spent = seconds + time.perf_counter() - tick
-                if step == config.warmup_steps or warm_seconds is None and step > config.warmup_steps:
-                    warm_seconds = spent if step == config.warmup_steps else 0.0
-                if warm_seconds is not None:
-                    if spent >= config.time_budget:
-                        break
-                    progress = (spent - warm_seconds) / max(config.time_budget - warm_seconds, 1e-9)
-                    for group in optimizer.param_groups:
-                        group["lr"] = lr_at(step, config, progress=progress)
-            if batches is None:
-                inputs, y = get_batch(train_data, config.batch_size, n_c, generator=generator)
-                inputs = (inputs,)
-            else:
-                inputs, y = _draw(batches, train_data, config.batch_size, n_c, generator)
-            if world == 1 and accumulate == 1:
-                _, loss = model(*(t.to(device) for t in inputs), y.to(device))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-            else:
-                loss = _split_step(forward, inputs, y, device, optimizer, rank, world, accumulate, stop)
-            clip = config.grad_clip if config.grad_clip is not None else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
-            loss_value = loss.item()
-            for what, value in (("the training loss", loss_value), ("the gradient norm", grad_norm)):
-                if not math.isfinite(value):  # stop before the update: the parameters are still those of step
-                    raise TrainingDiverged(_diverged_message(step + 1, what, value, config, out, saved[0]))
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            history.step.append(step + 1)
-            history.train_loss.append(loss_value)
-            history.lr.append(lr)
-            history.grad_norm.append(grad_norm)
-            bar.update(1)
-            done = step + 1
-            out_of_time = config.time_budget is not None and seconds + time.perf_counter() - tick >= config.time_budget
-            if done % config.eval_interval == 0 or done == config.max_steps or out_of_time:
-                now = time.perf_counter()
-                seconds += now - tick
-                rate = (done - tick_step) * tokens_per_step / max(now - tick, 1e-9)
-                val = evaluate(model, val_data, batch_size=config.batch_size, context_length=n_c,
-                               max_batches=config.eval_batches, batches=batches)
-                model.train()
-                if not math.isfinite(val):
-                    raise TrainingDiverged(_diverged_message(done, "the validation loss", val, config, out, saved[0]))
-                history.eval_step.append(done)
-                history.val_loss.append(val)
-                history.tokens.append(done * tokens_per_step)
-                history.seconds.append(seconds)
-                bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{val:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
-                checkpoint(done)
-                if callback is not None and rank == 0:
-                    callback(done, model)
-                    model.train()
-                tick, tick_step = time.perf_counter(), done
-            elif done % 10 == 0:
-                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-            if out_of_time:
-                break
-            # several processes stop at the step they agreed on (a Ctrl-C arriving after the all-reduce counts
-            # at the next step: acted on at once, it would stop one process a step before the others)
-            if stop.agreed if world > 1 else stop.requested:
-                if history.eval_step[-1:] != [done]:
-                    checkpoint(done)
-                where = f"; checkpoint saved in {out}" if out else ""
-                raise KeyboardInterrupt(f"training interrupted after step {done}{where}")
-    if distributed:
-        import torch.distributed as dist
+    saver.stop_if_diverged(step, "the validation loss", val)
+    return val
 
-        del forward
-        dist.barrier()  # when train returns on any process, process 0's last checkpoint is on disk
-    model.eval()
-    return history
+
+def _interrupt(step: int, history: History, saver: _Checkpoints) -> None:
+    """Ctrl-C: save a checkpoint at ``step`` (unless its evaluation just did) and raise ``KeyboardInterrupt``."""
+    if history.eval_step[-1:] != [step]:
+        saver.save(step, history)
+    where = f"; checkpoint saved in {saver.out}" if saver.out else ""
+    raise KeyboardInterrupt(f"training interrupted after step {step}{where}")
+
+
+def _wait_for_process_zero() -> None:
+    """Several processes: when train returns on any of them, process 0's last checkpoint is on disk."""
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 class TrainingDiverged(ValueError):
