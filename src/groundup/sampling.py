@@ -142,10 +142,27 @@ def _sample_smollm2(args) -> int:
     return _print_sample(text)
 
 
+PRETRAINED_NAMES = ("smollm2",)  # besides GPT-2's (groundup.pretrained.GPT2_NAMES)
+
+
+def _unknown_pretrained(name: str) -> str | None:
+    """The message for a ``--pretrained`` value that is neither a folder nor a name the book loads, else None."""
+    from groundup.pretrained import GPT2_NAMES
+
+    if name in PRETRAINED_NAMES + GPT2_NAMES or Path(name).expanduser().is_dir():
+        return None
+    return (f"--pretrained {name!r} is neither a checkpoint folder nor a published model the book loads: give one "
+            f"of {', '.join(PRETRAINED_NAMES + GPT2_NAMES)}, or a folder with config.json and model.safetensors")
+
+
 def _sample_pretrained(args) -> int:
     """``groundup sample --pretrained gpt2``: continue ``--prompt`` with GPT-2's published weights."""
     from groundup.pretrained import load_gpt2
 
+    unknown = _unknown_pretrained(args.pretrained)
+    if unknown:
+        print(f"error: {unknown}", file=sys.stderr)
+        return 1
     if args.pretrained == "smollm2":
         return _sample_smollm2(args)
     if getattr(args, "adapter", None):
@@ -193,9 +210,35 @@ def _translate(folder: Path, model: EncoderDecoder, args, device) -> str:
     return tgt_tok.decode(greedy_decode(model, torch.tensor([ids], dtype=torch.long, device=device))[0])
 
 
+def _encode_prompt(tokenizer: CharTokenizer, prompt: str) -> list[int]:
+    """The ids of ``prompt`` for a run's character tokenizer; ``ValueError`` naming --prompt and the characters the
+    tokenizer does not know."""
+    unknown = sorted(set(prompt) - set(tokenizer.chars))
+    if unknown:
+        shown = ", ".join(map(repr, unknown[:10])) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+        raise ValueError(f"--prompt holds {len(unknown)} character{'s' if len(unknown) > 1 else ''} not in the "
+                         f"vocabulary of this run's tokenizer: {shown}; it knows only the {tokenizer.vocab_size} "
+                         "characters of the text the run was trained on")
+    return tokenizer.encode(prompt)
+
+
+def _ignored_by_greedy(args) -> str | None:
+    """The message for --greedy given with sampling options it would ignore, else None."""
+    ignored = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                                        ("--top-p", args.top_p)) if value is not None]
+    if not (args.greedy and ignored):
+        return None
+    return (f"--greedy always takes the most probable token, so {' and '.join(ignored)} would be ignored: give "
+            "--greedy or the sampling options, not both")
+
+
 def sample_command(args) -> int:
     if (args.run is None) == (getattr(args, "pretrained", None) is None):
         print("error: give either a run folder DIR or --pretrained NAME_OR_DIR (exactly one)", file=sys.stderr)
+        return 2
+    ignored = _ignored_by_greedy(args)
+    if ignored:
+        print(f"error: {ignored}", file=sys.stderr)
         return 2
     if args.pretrained is not None:
         return _sample_pretrained(args)
@@ -223,7 +266,7 @@ def sample_command(args) -> int:
             if tokenizer.vocab_size != model.config.vocab_size:
                 raise ValueError(f"{folder / TOKENIZER_NAME} has {tokenizer.vocab_size} tokens but the model "
                                  f"{model.config.vocab_size}: the folder mixes two runs")
-            ids = tokenizer.encode(args.prompt or "\n")  # no prompt, or --prompt "": start from a newline
+            ids = _encode_prompt(tokenizer, args.prompt or "\n")  # no prompt, or --prompt "": from a newline
             text = tokenizer.decode(_sample_ids(model, ids, 500 if args.tokens is None else args.tokens, args, device))
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
