@@ -26,13 +26,13 @@ RUNS = STORED["runs"]
 
 def window_by_rule(steps, losses, max_steps):
     """The docstring's phase-change rule, written out again."""
-    window = [v for s, v in zip(steps, losses) if 0.25 * max_steps <= s <= 0.35 * max_steps]
+    window = [v for s, v in zip(steps, losses) if 0.05 * max_steps <= s <= 0.10 * max_steps]
     final = losses[-1]
     if not window:
         return {"plateau": None, "final": final, "half_step": None, "start_step": None, "end_step": None,
                 "width": None}
     plateau = statistics.median(window)
-    later = [(s, v) for s, v in zip(steps, losses) if s > 0.35 * max_steps]
+    later = [(s, v) for s, v in zip(steps, losses) if s > 0.10 * max_steps]
     half = min((s for s, v in later if v < plateau / 2), default=None)
     start = None if half is None else max(
         (s for s, v in zip(steps, losses) if s < half and v >= final + 0.9 * (plateau - final)), default=None)
@@ -42,21 +42,20 @@ def window_by_rule(steps, losses, max_steps):
 
 
 def test_phase_change_on_a_made_up_curve():
-    steps = list(range(0, 101, 5))
-    losses = [4.0, 3.6, 3.4, 3.3, 3.2, 3.0, 3.2, 3.1, 2.9, 3.0, 2.5, 1.5, 1.0, 0.6, 0.3, 0.2, 0.15, 0.12, 0.1, 0.1,
-              0.1]
-    # plateau: median of steps 25 .. 35 (3.0, 3.2, 3.1) = 3.1; drop 3.0; 90 % level 2.8, 10 % level 0.4;
-    # below half the plateau (1.55) first at 55; the last step before it still at >= 2.8 is 45 (3.0)
-    found = ch14_results.phase_change(steps, losses, 100)
-    assert found == pytest.approx({"plateau": 3.1, "final": 0.1, "half_step": 55, "start_step": 45,
-                                   "end_step": 70, "width": 25})
-    assert found == window_by_rule(steps, losses, 100)
+    steps = list(range(0, 201, 5))
+    losses = [4.0, 3.6, 3.0, 3.2, 3.1, 3.0, 2.9, 3.0, 2.5, 1.5, 1.0, 0.6, 0.3, 0.2, 0.15, 0.12] + [0.1] * 25
+    # plateau: median of steps 10 .. 20 (3.0, 3.2, 3.1) = 3.1; drop 3.0; 90 % level 2.8, 10 % level 0.4;
+    # below half the plateau (1.55) first at 45; the last step before it still at >= 2.8 is 35 (3.0)
+    found = ch14_results.phase_change(steps, losses, 200)
+    assert found == pytest.approx({"plateau": 3.1, "final": 0.1, "half_step": 45, "start_step": 35,
+                                   "end_step": 60, "width": 25})
+    assert found == window_by_rule(steps, losses, 200)
     # a dip of the plateau's noise below the 90 % level and a rebound above it: the start is the rebound
-    bumpy = losses[:8] + [2.7, 2.9, 2.5] + losses[11:]
-    found = ch14_results.phase_change(steps, bumpy, 100)
-    assert (found["half_step"], found["start_step"], found["end_step"]) == (55, 45, 70)
-    assert found == window_by_rule(steps, bumpy, 100)
-    assert ch14_results.phase_change([0, 30, 50, 100], [4.0, 3.0, 2.9, 3.5], 100)["start_step"] is None  # no drop
+    bumpy = losses[:5] + [2.7, 2.9, 2.5] + losses[8:]
+    found = ch14_results.phase_change(steps, bumpy, 200)
+    assert (found["half_step"], found["start_step"], found["end_step"]) == (45, 30, 60)
+    assert found == window_by_rule(steps, bumpy, 200)
+    assert ch14_results.phase_change([0, 5, 50, 100], [4.0, 3.0, 2.9, 3.5], 100)["start_step"] is None  # no drop
     assert ch14_results.phase_change([0, 100], [4.0, 1.0], 100)["plateau"] is None  # nothing in the window
 
 

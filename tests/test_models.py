@@ -133,6 +133,49 @@ def test_weight_tying_shares_one_parameter():
     assert untied.unembedding.weight is not untied.token_embedding.weight
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_untied_token_embedding_starts_small_like_the_tied_one(seed):
+    # chapter 3's runs: rows at RMS 1 end no better than N(0, 0.02^2), so tied or not W_E starts at 0.02
+    shape = dict(vocab_size=256, context_length=16, d_model=64, n_layers=1, n_heads=4)
+    torch.manual_seed(seed)
+    tied = GPT(GPTConfig(**shape))
+    torch.manual_seed(seed)
+    untied = GPT(GPTConfig(**shape, tie_weights=False))
+    w = untied.token_embedding.weight
+    assert untied.token_embedding.init == "small"
+    torch.testing.assert_close(w, tied.token_embedding.weight, rtol=0, atol=0)  # the same first draw
+    # the first draw after the seed, written independently: 0.02 times standard normals
+    torch.testing.assert_close(w, 0.02 * torch.randn(256, 64, generator=torch.Generator().manual_seed(seed)))
+    assert abs(w.std().item() - 0.02) < 0.001 and abs(w.mean().item()) < 0.001  # 16,384 entries
+    # the untied unembedding keeps its own N(0, 1/d_model)
+    assert abs(untied.unembedding.weight.std().item() * math.sqrt(64) - 1) < 0.05
+
+
+def test_encoder_decoder_target_embedding_starts_small_tied_or_not():
+    from groundup.models import EncoderDecoder, EncoderDecoderConfig
+
+    for tie in (True, False):
+        torch.manual_seed(0)
+        m = EncoderDecoder(EncoderDecoderConfig(src_vocab_size=200, tgt_vocab_size=300, d_model=64,
+                                                tie_weights=tie))
+        assert abs(m.tgt_embedding.weight.std().item() - 0.02) < 0.001
+        row_rms = m.src_embedding.weight.pow(2).mean(dim=1).sqrt()  # the source keeps rows at RMS 1
+        torch.testing.assert_close(row_rms, torch.ones(200))
+
+
+def test_an_rms_start_is_still_one_call_away():
+    from groundup.embeddings import TokenEmbedding
+
+    assert TokenEmbedding(5, 3).init == "rms"  # chapter 3's module keeps its derivation's default
+    torch.manual_seed(0)
+    model = GPT(small(tie_weights=False))
+    model.token_embedding.init = "rms"
+    model.token_embedding.reset_parameters()
+    row_rms = model.token_embedding.weight.pow(2).mean(dim=1).sqrt()
+    torch.testing.assert_close(row_rms, torch.ones(SMALL["vocab_size"]))
+    assert not torch.allclose(row_rms, torch.full_like(row_rms, 0.02), atol=0.01)
+
+
 @pytest.mark.parametrize("kw", [
     {}, dict(tie_weights=False), dict(norm="rmsnorm"), dict(norm_position="post"), dict(positional="relative"),
     dict(positional="rope", norm="rmsnorm"), dict(positional="sinusoidal"), dict(positional="alibi", d_ff=50),

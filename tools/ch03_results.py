@@ -81,7 +81,11 @@ def init_run(norm_position: str, init: str, seed: int, data, positional: str = "
     model = GPT(GPTConfig(vocab_size=n_v, norm_position=norm_position, **{**GPT_SHAPE, "positional": positional}))
     with torch.no_grad():  # the blocks and U are drawn first, identically for every init of the same seed
         w = model.token_embedding.weight
-        if init == "linear":
+        if init == "rms":  # GPT starts W_E small; these are the RMS-1 rows it drew first when "rms" was its
+            # untied default (the same numbers: the stored runs reproduce)
+            z = torch.randn(n_v, w.shape[1], generator=torch.Generator().manual_seed(seed))
+            w.copy_(z / rms(z, keepdim=True))
+        elif init == "linear":
             bound = 1 / math.sqrt(n_v)
             w.uniform_(-bound, bound)
         elif init == "small":

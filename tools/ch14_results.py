@@ -1,6 +1,6 @@
 """The induction-head runs behind chapter 14, stored in src/groundup/results/chapter14.json.
 
-    OMP_NUM_THREADS=1 python tools/ch14_results.py              # seeds 0, 1, 2 (about a minute each)
+    OMP_NUM_THREADS=1 python tools/ch14_results.py              # seeds 0, 1, 2 (one to two minutes each)
     OMP_NUM_THREADS=1 python tools/ch14_results.py --seed 1     # one seed
     python tools/ch14_results.py --windows                      # only re-read the windows off the stored curves
     OMP_NUM_THREADS=1 MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default \
@@ -23,14 +23,15 @@ batches of its training distribution, :func:`~groundup.induction.random_repeats`
 **The phase change**, read off the stored (rounded) curve ``L(s)`` at the recorded steps ``s`` of a run of
 ``T`` steps (:func:`phase_change`):
 
-* ``plateau``: the median of ``L(s)`` over the recorded steps with ``0.25 T <= s <= 0.35 T`` (steps 500 .. 700
-  of 2000, where the stored curves are flat to within their noise of +-0.2; the median, because of that noise);
+* ``plateau``: the median of ``L(s)`` over the recorded steps with ``0.05 T <= s <= 0.10 T`` (steps 100 .. 200
+  of 2000: after the first fall from the untrained model's ~4.6 and before the drop, where the stored curves
+  decline slowly, every value within 0.3 of the median; the median, because of the evaluation noise);
 * ``final``: ``L(T)``, the last recorded value; ``drop = plateau - final``;
-* ``half_step``: the first recorded step ``s > 0.35 T`` with ``L(s) < plateau / 2``, the middle of the fall;
+* ``half_step``: the first recorded step ``s > 0.10 T`` with ``L(s) < plateau / 2``, the middle of the fall;
 * ``start_step``: the *last* recorded step ``s < half_step`` with ``L(s) >= final + 0.9 drop`` (the loss still
   within 10 % of the drop of the plateau): the drop begins after it, so noise on the plateau that dips below
   that level earlier, or a rebound to it, does not move the start;
-* ``end_step``: the first recorded step ``s > 0.35 T`` with ``L(s) <= final + 0.1 drop`` (90 % of the drop
+* ``end_step``: the first recorded step ``s > 0.10 T`` with ``L(s) <= final + 0.1 drop`` (90 % of the drop
   done); ``width = end_step - start_step``.
 
 A step the curve never reaches is None (as is everything when no step lies in the plateau window or the drop is
@@ -109,7 +110,7 @@ TRAINING = dict(batch_size=32, max_steps=2000, learning_rate=3e-3, warmup_steps=
 RECORD_EVERY = 25
 HELD_OUT_SEED, MEAN_SEED = 1400, 1401
 N_HELD_OUT, N_MEAN = 256, 256
-PLATEAU_WINDOW = (0.25, 0.35)  # fractions of the run's steps
+PLATEAU_WINDOW = (0.05, 0.10)  # fractions of the run's steps
 DIGITS = 5
 COPY_TOKENS, COPY_SEED = 1024, 14
 LENS_WINDOWS, LENS_WINDOW_TOKENS = 32, 129  # SmolLM2: 32 windows of 129 tokens, 128 predictions each

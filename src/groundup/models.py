@@ -150,9 +150,11 @@ class GPT(nn.Module):
 
     Initialisation follows GPT-2/nanoGPT: linear weights N(0, 0.02²), biases 0, and the two projections that
     write into the residual stream (``W_o``, ``W_out``) scaled down by ``1/sqrt(2 n_layers)`` so the stream's
-    variance does not grow with depth. The token embedding starts small (``init="small"``) when tied to the
-    unembedding, otherwise at RMS 1 per row (``init="rms"``, chapter 3) with an untied unembedding of entries
-    N(0, 1/d_model).
+    variance does not grow with depth. The token embedding starts small, tied to the unembedding or not
+    (``init="small"``: entries N(0, 0.02²), GPT-2's start); an untied unembedding starts with entries
+    N(0, 1/d_model). Chapter 3's runs of an untied model credit rows at RMS 1 (``init="rms"``) only with a faster
+    start next to a fixed position table, and saw them end level or behind; to start there anyway, set
+    ``model.token_embedding.init = "rms"`` and call ``model.token_embedding.reset_parameters()``.
     """
 
     causal = True
@@ -163,7 +165,7 @@ class GPT(nn.Module):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         self.config = c = config
-        self.token_embedding = TokenEmbedding(c.vocab_size, c.d_model, init="small" if c.tie_weights else "rms")
+        self.token_embedding = TokenEmbedding(c.vocab_size, c.d_model, init="small")
         if c.positional == "learned":
             self.position_embedding = LearnedPositionalEmbedding(c.context_length, c.d_model)
         elif c.positional == "sinusoidal":
@@ -438,7 +440,8 @@ class EncoderDecoder(nn.Module):
     Padding is ``pad_id`` anywhere after a sequence's tokens; a padded position changes no output at a real one.
     Initialisation as :class:`GPT`: linear weights N(0, 0.02²), biases 0, the projections that write into the
     residual stream scaled by ``1/sqrt(number of residual writes in that stack)`` (2 per encoder block, 3 per
-    decoder block).
+    decoder block). The target embedding starts at N(0, 0.02²) (``init="small"``), tied or not; the source
+    embedding, never tied, at RMS 1 per row (``init="rms"``, chapter 3's derivation).
     """
 
     def __init__(self, config: EncoderDecoderConfig):
@@ -447,7 +450,7 @@ class EncoderDecoder(nn.Module):
             raise TypeError(f"config must be an EncoderDecoderConfig, got {type(config).__name__}")
         self.config = c = config
         self.src_embedding = TokenEmbedding(c.src_vocab_size, c.d_model, init="rms")
-        self.tgt_embedding = TokenEmbedding(c.tgt_vocab_size, c.d_model, init="small" if c.tie_weights else "rms")
+        self.tgt_embedding = TokenEmbedding(c.tgt_vocab_size, c.d_model, init="small")
         if c.positional == "learned":
             self.src_position = LearnedPositionalEmbedding(c.context_length, c.d_model)
             self.tgt_position = LearnedPositionalEmbedding(c.context_length, c.d_model)
