@@ -7,7 +7,8 @@ logits ``U x``, one per vocabulary entry; softmax turns those into next-token pr
 
 Initialisation follows the RMS-norm argument of chapter 3: every token's vector has RMS norm 1, so the input of
 the first block is at RMS 1; the unembedding's entries are of order ``1/sqrt(d_model)``, so a hidden vector at
-RMS 1 gives logits of order 1.
+RMS 1 gives logits of order 1. :class:`~groundup.models.GPT` starts its token embedding small instead
+(``init="small"``, tied or not), the start chapter 3's training runs favour or tie with.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class TokenEmbedding(nn.Module):
     - ``"normal"``: entries ``N(0, 1)``, PyTorch's ``nn.Embedding`` default: RMS 1 *in expectation* only (each
       row's RMS fluctuates around 1 by about ``1/sqrt(2 d_model)``).
     - ``"small"``: entries ``N(0, 0.02^2)``, GPT-2's choice (rows at RMS 0.02); sensible with weight tying,
-      where the same matrix also serves as the unembedding.
+      where the same matrix also serves as the unembedding, and :class:`~groundup.models.GPT`'s start, tied or not.
     """
 
     def __init__(self, vocab_size: int, d_model: int, *, init: str = "rms"):
