@@ -1,4 +1,5 @@
-"""Checkers for chapter 11 (scaling out): a ring all-reduce simulated by hand, and the memory of ZeRO / FSDP.
+"""Checkers for chapter 11 (scaling out): a ring all-reduce simulated by hand (its messages replayed), and the memory
+of ZeRO / FSDP.
 
 Every checker computes the expected values before it calls the reader's function, hands the function copies of
 its inputs (and says so if the function changed them in place), and checks the type of what comes back.
@@ -6,7 +7,6 @@ its inputs (and says so if the function changed them in place), and checks the t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -18,6 +18,7 @@ from groundup.exercises.checking import (
     call_reader,
     expect,
     expect_close,
+    expect_integer,
     expect_number,
     expect_tensor,
     run_checks,
@@ -28,58 +29,69 @@ __all__ = ["check_ring_allreduce", "check_zero_memory"]
 
 # ---- Exercise 11.1 -----------------------------------------------------------------------------------------
 
-_BIG = 2.0 ** 60  # 1 + 2^60 rounds to 2^60 in float64: the order of the additions shows in the result
+_SEND_HINT = ("In each of the p − 1 reduce-scatter steps and each of the p − 1 all-gather steps every process sends "
+              "one chunk of N / p numbers to its right-hand neighbour, never the whole tensor.")
+_MESSAGE_HINT = ("A message carries the sender's copy of the chunk as it is at that step (its own numbers plus what "
+                 "it has received so far), cloned when sent: compute all messages of a step before applying any, and "
+                 "do not change a sent tensor afterwards.")
+_ROUTE_HINT = ("Each chunk must pass once round the ring before the all-gather: in reduce-scatter step s process r "
+               "sends its partial sum of one chunk to (r + 1) mod p, which adds its own copy, so that after p − 1 "
+               "steps every chunk holds all p copies at one process; the all-gather then passes each summed chunk on "
+               "(the receiver replaces its copy).")
 
 
-def _order_revealing_tensors(p: int = 3) -> list[torch.Tensor]:
-    """p tensors of p chunks of p numbers: element j of every chunk is 1 at process j and +-2^60 at the others, so
-    a chunk added up in any order ends as the one-hot vector of the process added last (2^60 - 2^60 + 1 = 1, but
-    2^60 + 1 - 2^60 = 0)."""
-    tensors = [torch.empty(p * p, dtype=torch.float64) for _ in range(p)]
-    for j in range(p):
-        others = [q for q in range(p) if q != j]
-        for r in range(p):
-            value = 1.0 if r == j else (_BIG if r == others[0] else -_BIG)
-            for c in range(p):
-                tensors[r][c * p + j] = value
-    return tensors
+def _step_messages(step, k: int, p: int, n: int, call: str) -> list[tuple[int, int, torch.Tensor]]:
+    """Step ``k``'s messages checked to be one triple ``(r, c, data)`` per process ``r``, ``data`` one chunk of
+    ``n`` numbers; returned sorted by sender."""
+    where = f"{call}: step {k + 1} of the messages"
+    expect(isinstance(step, (list, tuple)) and all(isinstance(m, (list, tuple)) and len(m) == 3 for m in step),
+           f"{where} is not a list of triples (r, c, data)",
+           "Each step is the list of its p messages, each a triple (r, c, data): process r sends data, its copy of "
+           "chunk c, to process (r + 1) mod p.")
+    triples = [(expect_integer(r, f"{where}: a sender r"), expect_integer(c, f"{where}: a chunk index c"),
+                expect_tensor(data, f"{where}: a message's data")) for r, c, data in step]
+    senders = sorted(r for r, _, _ in triples)
+    expect(senders == list(range(p)), f"{where} has messages from processes {senders}, expected one from each of "
+           f"0 to {p - 1}", _SEND_HINT)
+    for r, c, data in triples:
+        expect(0 <= c < p, f"{where}: process {r} sends chunk {c}, but there are only chunks 0 to {p - 1}")
+        expect(data.shape == (n,), f"{where}: process {r} sends {data.numel()} numbers, expected one chunk of "
+               f"N / p = {n}", _SEND_HINT)
+    return sorted(triples, key=lambda m: m[0])
 
 
-def _last_added(chunk: torch.Tensor) -> int | None:
-    """The process added last into ``chunk`` of the order-revealing sum, or ``None`` if no order gives it."""
-    if not bool(((chunk == 0) | (chunk == 1)).all()) or int(chunk.sum()) != 1:
-        return None
-    return int(chunk.argmax())
-
-
-def _expect_a_ring(fn: Callable) -> None:
-    """In a ring each chunk's partial sum starts at another process, so the p chunks are added up in p different
-    orders; a sum computed in one place (``sum(tensors)``) adds every chunk in the same order."""
-    p = 3
-    tensors = _order_revealing_tensors(p)
-    call = f"my_ring_allreduce(tensors) with p = {p} tensors of 1 and ±2^60"
-    out = call_reader(fn, tensors, call=call, names=("tensors",))
-    expect(isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (list, tuple)) and len(out[0]) == p,
-           f"{call} returned {type(out).__name__}", "Return a pair: (the list of p results, the list of counts).")
-    results = [expect_tensor(t, f"{call}: results[{r}]") for r, t in enumerate(out[0])]
-    expect(all(t.shape == (p * p,) and torch.equal(t, results[0]) for t in results),
-           f"{call}: the processes end with different results",
-           "After the all-gather every process holds the same reduced chunks: copy them, do not add them again.")
-    last = [_last_added(results[0][c * p:(c + 1) * p].double()) for c in range(p)]
-    expect(None not in last, f"{call}: the results are not these numbers added up in any order",
-           "Add the chunks in float64 as they are (no rescaling, no other dtype).")
-    expect(sorted(last) == list(range(p)),
-           f"{call}: every chunk was added up in the same order (process {last[0]} last), as when the sum is "
-           "computed in one place",
-           "In a ring each chunk's partial sum starts at a different process and travels round it, so the "
-           "chunks are added up in different orders. Pass one chunk from process r to (r + 1) mod p per step, "
-           "as the exercise describes, instead of summing the tensors at once (sum(tensors)).")
+def _replay(tensors: list[torch.Tensor], messages, call: str) -> list[list[torch.Tensor]]:
+    """Run the reader's ``messages`` on the inputs: every message must carry what its sender holds of that chunk
+    at that step; the receiver adds it in the p − 1 reduce-scatter steps and takes it in the p − 1 all-gather
+    steps. Return what every process holds of every chunk at the end."""
+    p, n = len(tensors), tensors[0].numel() // len(tensors)
+    expect(isinstance(messages, (list, tuple)) and len(messages) == 2 * (p - 1),
+           f"{call}: the messages have {len(messages) if isinstance(messages, (list, tuple)) else 'no'} steps, "
+           f"expected 2 (p − 1) = {2 * (p - 1)}",
+           "List the steps in order: p − 1 reduce-scatter steps, then p − 1 all-gather steps, each the list of the "
+           "p messages sent in it.")
+    held = [[chunk.clone() for chunk in t.chunk(p)] for t in tensors]  # held[r][c]: process r's copy of chunk c
+    for k, step in enumerate(messages):
+        reducing = k < p - 1
+        triples = _step_messages(step, k, p, n, call)
+        for r, c, data in triples:
+            if not torch.equal(data, held[r][c]):
+                raise Mismatch(f"{call}: in step {k + 1} ({'reduce-scatter' if reducing else 'all-gather'}) process "
+                               f"{r} sends chunk {c}, but not what it holds of chunk {c} at that step", _MESSAGE_HINT)
+        for r, c, data in triples:
+            receiver = (r + 1) % p
+            held[receiver][c] = held[receiver][c] + data if reducing else data.clone()
+    return held
 
 
 def check_ring_allreduce(fn: Callable) -> Verdict:
-    """Exercise 11.1: ``fn(tensors) -> (results, sent)``: a ring all-reduce (sum) of p equal-length 1-D tensors,
-    simulated in one process; ``sent[r]`` counts the numbers process r sent, which must be 2 (p − 1)/p · N. A
-    last case shows whether the chunks really went round a ring (see :func:`_expect_a_ring`)."""
+    """Exercise 11.1: ``fn(tensors) -> (results, messages)``: a ring all-reduce (sum) of p equal-length 1-D tensors,
+    simulated in one process. ``messages`` lists the 2 (p − 1) steps, each the p triples ``(r, c, data)`` of the
+    step (process r sends ``data``, its copy of chunk c, to process (r + 1) mod p). The checker replays them on the
+    inputs (each message must be what its sender holds; the receiver adds in the p − 1 reduce-scatter steps and
+    replaces in the p − 1 all-gather steps), so it sees the ring itself, not only its result: every process must end
+    with the sum, and ``results[r]`` must be what the messages left at process r. Each process then sent
+    2 (p − 1) N / p numbers."""
 
     def checks():
         g = torch.Generator().manual_seed(11)
@@ -89,27 +101,26 @@ def check_ring_allreduce(fn: Callable) -> Verdict:
             call = f"my_ring_allreduce(tensors) with p = {p} tensors of N = {n} numbers"
             out = call_reader(fn, tensors, call=call, names=("tensors",))
             expect(isinstance(out, tuple) and len(out) == 2, f"{call} returned a {type(out).__name__}",
-                   "Return a pair: (the list of p results, the list of p counts of numbers sent).")
-            results, sent = out
+                   "Return a pair: (the list of p results, the list of the steps' messages).")
+            results, messages = out
             expect(isinstance(results, (list, tuple)) and len(results) == p,
                    f"{call}: the results are not a list of {p} tensors", "Return one result per process.")
+            results = [expect_tensor(t, f"{call}: results[{r}]") for r, t in enumerate(results)]
             for r, t in enumerate(results):
-                t = expect_tensor(t, f"{call}: results[{r}]")
                 hint = "Every process must end with the sum of all p tensors (all-reduce with op SUM)."
                 if t.shape == expected.shape and torch.allclose(t, expected / p):
                     hint = "That is the average; all_reduce sums (DDP divides by p afterwards)."
                 expect_close(t, expected, f"{call}: results[{r}]", hint, rtol=1e-12, atol=1e-12)
-            expect(isinstance(sent, (list, tuple)) and len(sent) == p,
-                   f"{call}: the counts are not a list of {p} numbers", "Return how many numbers each process sent.")
-            want = 2 * (p - 1) * (n // p)
-            for r, s in enumerate(sent):
-                got = expect_number(s, f"{call}: sent[{r}]")
-                if not math.isclose(got, want):
-                    raise Mismatch(f"{call}: process {r} sent {got:g} numbers, expected 2 (p − 1) N / p = {want}",
-                                   "In each of the p − 1 reduce-scatter steps and each of the p − 1 all-gather "
-                                   "steps a process sends one chunk of N / p numbers to its right-hand neighbour, "
-                                   "never the whole tensor.")
-        _expect_a_ring(fn)
+            held = _replay(tensors, messages, call)
+            for r in range(p):
+                for c, (chunk, want) in enumerate(zip(held[r], expected.chunk(p))):
+                    expect(torch.allclose(chunk, want, rtol=1e-12, atol=1e-12),
+                           f"{call}: after your messages process {r}'s copy of chunk {c} is not the sum of the p "
+                           "copies", _ROUTE_HINT)
+                expect(torch.equal(results[r], torch.cat(held[r])),
+                       f"{call}: results[{r}] is not what your messages leave at process {r}",
+                       "Return each process's own chunks at the end, concatenated in order (torch.cat): the sum "
+                       "should arrive through the messages, not be computed beside them.")
 
     return run_checks("Exercise 11.1 (ring all-reduce)", checks,
                       "Every process ends with the sum, and each sent 2 (p − 1) N / p numbers, for p = 1 to 4.")
