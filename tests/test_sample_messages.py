@@ -78,3 +78,14 @@ def test_greedy_alone_is_the_most_probable_token_at_every_step(tiny_run, capsys)
             logits, _ = model(torch.tensor([ids]))
             ids.append(int(logits[0, -1].argmax()))
     assert out == tokenizer.decode(ids) + "\n"
+
+
+def test_a_date_with_unknown_words_names_the_prompt(tmp_path, capsys):
+    out = tmp_path / "dates"
+    assert cli.main(["train", "--out", str(out), "--task", "dates", "--d-model", "16", "--heads", "2", "--layers",
+                     "1", "--batch-size", "8", "--max-steps", "2", "--eval-interval", "2", "--eval-batches", "1",
+                     "--warmup", "1", "--no-progress", "--threads", "1"]) == 0
+    capsys.readouterr()
+    assert cli.main(["sample", str(out), "--prompt", "July 4th"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --prompt: ") and "the dates task knows only these words: " in err, err

@@ -203,7 +203,7 @@ def _translate(folder: Path, model: EncoderDecoder, args, device) -> str:
     try:
         ids = src_tok.encode(args.prompt)
     except ValueError as err:
-        raise ValueError(f"{err}; the dates task knows only these words: "
+        raise ValueError(f"--prompt: {err}; the dates task knows only these words: "
                          f"{' '.join(src_tok.tokens[len(SPECIALS):])}") from None
     if not ids:
         raise ValueError("--prompt holds no words")
