@@ -318,3 +318,25 @@ def test_stored_range_tests_suggest_what_their_losses_say():
             assert len(run["losses"]) == run["stopped_at"]
             again = suggest_lr(lrs, run["losses"])
             assert run["suggestions"] == pytest.approx(again, rel=5e-3)  # stored to 3 significant digits
+
+
+def test_stored_lr_rules_train_each_seed_at_its_range_tests_suggestions():
+    entry = stored("lr_rules")
+    assert "ATEN_CPU_CAPABILITY=default" in entry["command"] and "MKL_CBWR=COMPATIBLE" in entry["command"]
+    setup = stored("lr_range")["setups"]["chapter 7"]
+    assert set(entry["runs"]) == {f"{rule}/seed{s}" for rule in tool.RULES for s in tool.SEEDS}
+    for seed in tool.SEEDS:
+        rates = {rule: entry["runs"][f"{rule}/seed{seed}"]["lr"] for rule in tool.RULES}
+        assert rates == tool.rule_rates(setup, seed) and rates["tuned_peak"] == 3e-3
+        assert rates["steepest"] < rates["minimum"] and rates["minimum_over_10"] < rates["minimum"]
+    for rule in tool.RULES:
+        finals = [entry["runs"][f"{rule}/seed{s}"]["full_val_loss"] for s in tool.SEEDS]
+        assert entry["final_mean"][rule] == pytest.approx(statistics.fmean(finals), abs=1e-5)
+        assert entry["final_sd"][rule] == pytest.approx(statistics.stdev(finals), abs=1e-5)
+    assert all(r["eval_step"][-1] == entry["training"]["max_steps"] == tool.TRAIN_STEPS for r in entry["runs"].values())
+    # seeds 1 and 2 of the tuned peak are bf16-training's float32 runs; seed 0, trained again, gave the same loss
+    bf16 = stored("bf16_training")
+    assert entry["training"] == {k: v for k, v in bf16["training"].items() if k != "seed"}
+    for seed in tool.SEEDS:
+        assert entry["runs"][f"tuned_peak/seed{seed}"]["full_val_loss"] == \
+            bf16["runs"][f"float32/seed{seed}"]["full_val_loss_float32"]

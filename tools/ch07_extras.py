@@ -7,6 +7,8 @@ learning-rate range tests; stored in src/groundup/results/chapter07.json under "
         python tools/ch07_extras.py --entry bf16-training                      # the loss reached, 3 seeds each
     MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 GROUNDUP_DATA_DIR=... \\
         python tools/ch07_extras.py --entry lr-range                           # range tests, 3 seeds per shape
+    MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 \\
+        python tools/ch07_extras.py --entry lr-rules                           # training at the rules' rates
 
 Timings alternate the two sides (``ROUNDS`` rounds of a few steps each, after warm-up steps), so a change in the
 machine's load hits both alike; each entry stores the per-round times, their medians and the ratio, the CPU's name
@@ -23,11 +25,19 @@ The range tests (:func:`groundup.lr_range.lr_range_test`): AdamW as the recipe u
 matrices, betas 0.9/0.99, clipping at 1), the learning rate from 1e-6 to 1 over ``RANGE_STEPS`` steps, seeds 0-2
 (initial weights and batches), for recipe shape B on tiny Shakespeare (its tuned peak: 2e-3) and for chapter 7's
 GPT on the Gutenberg corpus (its peak: 3e-3).
+
+The rules checked by training (``lr-rules``): chapter 7's GPT (the cheaper of the two range-tested shapes) trained
+with the bfloat16 comparison's budget (``TRAIN_STEPS`` steps, warm-up 40, cosine to a tenth, chapter 7's recipe
+otherwise) at each rate the stored range tests suggest -- seed ``s`` at its own test's steepest fall, minimum / 10
+and minimum -- and at the tuned peak 3e-3, seeds 0-2, each scored on the whole validation text. The tuned-peak runs
+are the same computation as ``bf16-training``'s float32 side: seeds 1 and 2 are read from there, seed 0 is trained
+again as a check that it reproduces the stored loss (the entry records both).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -59,7 +69,8 @@ SPEED_SHAPES = {  # name: (corpus, model shape, batch size, steps per round and 
 MATMUL_SIZES = (128, 512, 2048)
 SUGGESTIONS_RULE = ("groundup.lr_range.suggest_lr on the stored losses: centred moving average of 9 steps, the last 5 "
                     "steps left out; steepest = fastest fall against log lr, minimum_over_10 = a tenth of the lowest")
-ENTRIES = ("bf16-speed", "bf16-training", "accumulation-speed", "lr-range")
+ENTRIES = ("bf16-speed", "bf16-training", "accumulation-speed", "lr-range", "lr-rules")
+RULES = ("steepest", "minimum_over_10", "minimum", "tuned_peak")
 
 
 def machine() -> dict:
@@ -280,6 +291,56 @@ def lr_range() -> dict:
     return result
 
 
+def rule_rates(setup: dict, seed: int) -> dict:
+    """The learning rate of each of RULES for ``seed``: its own range test's suggestions, and the tuned peak."""
+    return {**{rule: setup["runs"][f"seed{seed}"]["suggestions"][rule] for rule in RULES[:3]},
+            "tuned_peak": setup["tuned_peak_lr"]}
+
+
+def lr_rules() -> dict:
+    """Chapter 7's GPT for TRAIN_STEPS steps at the rates of RULES (seeds 0-2), scored on the whole validation text.
+
+    The tuned peak's runs are bf16-training's float32 runs (the same model, seeds, configuration and arithmetic):
+    seeds 1 and 2 are taken from that entry, and seed 0 is trained again to check that it gives the same loss."""
+    stored = json.loads(OUT.read_text())[SECTION]
+    setup, bf16 = stored["lr_range"]["setups"]["chapter 7"], stored["bf16_training"]
+    tokenizer, train_ids, val_ids = corpus("shakespeare")
+    base = {**CHAPTER7_TRAINING, "max_steps": TRAIN_STEPS, "warmup_steps": 40, "eval_interval": 100,
+            "progress": False}
+    if bf16["training"] != {k: v for k, v in base.items() if k != "progress"}:
+        raise ValueError(f"bf16_training was trained with {bf16['training']}, not {base}: run all four rules")
+    runs = {}
+    for seed in SEEDS:
+        for rule, lr in rule_rates(setup, seed).items():
+            if rule == "tuned_peak" and seed != 0:
+                old = bf16["runs"][f"float32/seed{seed}"]
+                runs[f"{rule}/seed{seed}"] = {
+                    "rule": rule, "seed": seed, "lr": lr, "eval_step": old["eval_step"],
+                    "val_loss_20_batches": old["val_loss_20_batches"], "full_val_loss": old["full_val_loss_float32"],
+                    "from": f"extras.bf16_training.runs['float32/seed{seed}']"}
+                continue
+            model = model_for(tokenizer.vocab_size, CHAPTER7_MODEL, seed)
+            start = time.perf_counter()
+            history = train(model, train_ids, val_ids, TrainConfig(**{**base, "seed": seed, "learning_rate": lr}))
+            full = evaluate(model, val_ids, batch_size=64)
+            runs[f"{rule}/seed{seed}"] = {
+                "rule": rule, "seed": seed, "lr": lr, "eval_step": history.eval_step,
+                "val_loss_20_batches": [round(v, 5) for v in history.val_loss], "full_val_loss": round(full, 5),
+                "seconds": round(time.perf_counter() - start, 1)}
+            print(rule, seed, lr, runs[f"{rule}/seed{seed}"]["full_val_loss"], runs[f"{rule}/seed{seed}"]["seconds"],
+                  flush=True)
+    finals = {rule: [runs[f"{rule}/seed{s}"]["full_val_loss"] for s in SEEDS] for rule in RULES}
+    check = {"trained_again": runs["tuned_peak/seed0"]["full_val_loss"],
+             "bf16_training": bf16["runs"]["float32/seed0"]["full_val_loss_float32"]}
+    return {"machine": machine(), "corpus": "shakespeare (Gutenberg, 42 works; last 10 % for validation)",
+            "model": CHAPTER7_MODEL, "training": {k: v for k, v in base.items() if k not in ("progress", "seed")},
+            "rates_from": "extras.lr_range.setups['chapter 7']: seed s at its own range test's suggestions "
+                          "(stored to 3 significant digits); tuned_peak is chapter 7's 3e-3 for every seed",
+            "tuned_peak_seed0_check": {**check, "equal": check["trained_again"] == check["bf16_training"]},
+            "runs": runs, "final_mean": {r: round(statistics.fmean(v), 5) for r, v in finals.items()},
+            "final_sd": {r: round(statistics.stdev(v), 5) for r, v in finals.items()}}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--entry", choices=ENTRIES, required=True)
@@ -287,7 +348,7 @@ def main(argv=None) -> None:
     env = " ".join(f"{k}={os.environ[k]}" for k in ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")
                    if k in os.environ)
     make = {"bf16-speed": bf16_speed, "bf16-training": bf16_training, "accumulation-speed": accumulation_speed,
-            "lr-range": lr_range}[a.entry]
+            "lr-range": lr_range, "lr-rules": lr_rules}[a.entry]
     start = time.perf_counter()
     entry = make()
     entry["command"] = f"{env} python tools/ch07_extras.py --entry {a.entry}".strip()
