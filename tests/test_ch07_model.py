@@ -6,6 +6,7 @@ import pickle
 import pytest
 import torch
 
+import groundup.char_data
 import groundup.data
 import groundup.training as training
 from groundup.generation import generate
@@ -23,7 +24,7 @@ def tiny_chapter7(monkeypatch):
     """Chapter 7's recipe at a stand-in size (30 steps of a 1-layer GPT on a short text): the real one takes minutes."""
     monkeypatch.setattr(training, "CHAPTER7_MODEL", TINY_MODEL)
     monkeypatch.setattr(training, "CHAPTER7_TRAINING", TINY_TRAINING)
-    monkeypatch.setattr(groundup.data, "load_corpus", lambda name: TEXT)
+    monkeypatch.setattr(groundup.char_data, "load_corpus", lambda name, cache_dir=None: TEXT)
 
 
 def _notebook_run():
@@ -154,7 +155,7 @@ def test_chapter7_models_of_two_arithmetics_live_side_by_side(tmp_path, monkeypa
 def test_a_chapter7_model_trained_by_chapter7_model_is_reused_by_the_next_call(tmp_path, monkeypatch):
     # It was saved after train's one-thread block had ended, so it recorded the machine's thread count and every
     # later call (chapters 8, 9, 12) trained it again; and it went to the default cache, not cache_dir.
-    monkeypatch.setattr(groundup.data, "load_corpus", lambda name: "abcdefgh ijkl\n" * 200)
+    monkeypatch.setattr(groundup.char_data, "load_corpus", lambda name, cache_dir=None: "abcdefgh ijkl\n" * 200)
     trained = []
 
     def fake_train(model, train_ids, val_ids, config, callback):

@@ -47,10 +47,9 @@ from pathlib import Path
 import torch
 from results_file import add_entry
 
-from groundup.data import load_corpus, train_val_split
+from groundup.char_data import char_corpus
 from groundup.lr_range import lr_range_test, suggest_lr
 from groundup.models import GPT, GPTConfig
-from groundup.tokenizers import CharTokenizer
 from groundup.training import CHAPTER7_MODEL, CHAPTER7_TRAINING, TrainConfig, evaluate, train
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter07.json"
@@ -91,12 +90,6 @@ def machine() -> dict:
             "torch": torch.__version__}
 
 
-def corpus(name: str):
-    text = load_corpus(name)
-    tokenizer = CharTokenizer.from_text(text)
-    return tokenizer, *train_val_split(torch.tensor(tokenizer.encode(text)), 0.1)
-
-
 def model_for(vocab_size: int, shape: dict, seed: int) -> GPT:
     torch.manual_seed(seed)
     return GPT(GPTConfig(vocab_size=vocab_size, **{**shape, "dropout": 0.0}))
@@ -128,7 +121,7 @@ def bf16_speed() -> dict:
     """Training-step times with and without autocast for three model widths, and bare matrix products."""
     result = {"machine": machine(), "rounds": ROUNDS, "models": {}, "matmul": {}}
     for label, (name, shape, batch, steps) in SPEED_SHAPES.items():
-        tokenizer, train_ids, _ = corpus(name)
+        tokenizer, train_ids, _ = char_corpus(name)
         x, y = (t for t in _batch(train_ids, batch, shape["context_length"]))
         sides = {}
         for side, autocast in (("float32", False), ("bfloat16 autocast", True)):
@@ -206,7 +199,7 @@ def train_side(side: str, model, train_ids, val_ids, config):
 def bf16_training() -> dict:
     """Chapter 7's GPT for TRAIN_STEPS steps, float32 vs bfloat16 autocast (seeds 0-2) and the pitfall (seed 0),
     each scored in float32 on the whole validation text."""
-    tokenizer, train_ids, val_ids = corpus("shakespeare")
+    tokenizer, train_ids, val_ids = char_corpus("shakespeare")
     base = {**CHAPTER7_TRAINING, "max_steps": TRAIN_STEPS, "warmup_steps": 40, "eval_interval": 100,
             "progress": False}
     runs = {}
@@ -254,7 +247,7 @@ def accumulate_gradients(model, x, y, parts: int) -> float:
 
 def accumulation_speed() -> dict:
     """One step of 32 rows against 4 micro-batches of 8 accumulated, chapter 7's GPT, forward and backward."""
-    tokenizer, train_ids, _ = corpus("shakespeare")
+    tokenizer, train_ids, _ = char_corpus("shakespeare")
     model = model_for(tokenizer.vocab_size, CHAPTER7_MODEL, 0)
     x, y = _batch(train_ids, 32, CHAPTER7_MODEL["context_length"])
 
@@ -275,7 +268,7 @@ def lr_range() -> dict:
               "optimizer": "adamw, betas (0.9, 0.99), weight decay 0.1 on matrices, clipping at 1, no warm-up",
               "stop_factor": 4.0, "suggestions_rule": SUGGESTIONS_RULE, "setups": {}}
     for label, (name, shape, batch, tuned) in setups.items():
-        tokenizer, train_ids, _ = corpus(name)
+        tokenizer, train_ids, _ = char_corpus(name)
         runs = {}
         for seed in SEEDS:
             model = model_for(tokenizer.vocab_size, shape, seed)
@@ -304,7 +297,7 @@ def lr_rules() -> dict:
     seeds 1 and 2 are taken from that entry, and seed 0 is trained again to check that it gives the same loss."""
     stored = json.loads(OUT.read_text())[SECTION]
     setup, bf16 = stored["lr_range"]["setups"]["chapter 7"], stored["bf16_training"]
-    tokenizer, train_ids, val_ids = corpus("shakespeare")
+    tokenizer, train_ids, val_ids = char_corpus("shakespeare")
     base = {**CHAPTER7_TRAINING, "max_steps": TRAIN_STEPS, "warmup_steps": 40, "eval_interval": 100,
             "progress": False}
     if bf16["training"] != {k: v for k, v in base.items() if k != "progress"}:

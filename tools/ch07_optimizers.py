@@ -44,9 +44,8 @@ from pathlib import Path
 import torch
 from results_file import add_entry
 
-from groundup.data import load_corpus, train_val_split
+from groundup.char_data import char_corpus
 from groundup.models import GPT, GPTConfig
-from groundup.tokenizers import CharTokenizer
 from groundup.training import TrainConfig, TrainingDiverged, evaluate, train
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter07.json"
@@ -80,10 +79,7 @@ def final(entry: dict) -> float:
 
 
 def data():
-    text = load_corpus("tinyshakespeare")
-    tokenizer = CharTokenizer.from_text(text)
-    train_ids, val_ids = train_val_split(torch.tensor(tokenizer.encode(text)), 0.1)
-    return tokenizer, train_ids, val_ids
+    return char_corpus("tinyshakespeare")
 
 
 def run(optimizer: str, lr: float, seed: int, tokenizer, train_ids, val_ids) -> dict:

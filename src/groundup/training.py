@@ -1111,12 +1111,9 @@ def train_chapter7_model(*, progress: bool = False, cache_dir=None) -> Chapter7R
     notebook runs set them); the kernels each picks for the CPU it finds differ between CPUs in the last bits.
     It is saved while the one thread is still in force, so :func:`chapter7_model` reuses it.
     """
-    from groundup.data import load_corpus, train_val_split
-    from groundup.tokenizers import CharTokenizer
+    from groundup.char_data import char_corpus
 
-    text = load_corpus("shakespeare")
-    tokenizer = CharTokenizer.from_text(text)
-    train_ids, val_ids = train_val_split(torch.tensor(tokenizer.encode(text)))
+    tokenizer, train_ids, val_ids = char_corpus("shakespeare")
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **CHAPTER7_MODEL))
     with threads(1):
