@@ -475,3 +475,32 @@ def test_every_results_tool_stores_through_results_file():
         assert "add_entry(" in text, f"{tool.name} does not store through results_file.add_entry"
         for own_write in ("fcntl", "atomic_write_text", "write_text(", "json.dump("):
             assert own_write not in text, f"{tool.name} writes its json by itself ({own_write})"
+
+
+def figure_cell(plot_lines: int, other_lines: int, image: bool = True) -> dict:
+    source = "\n".join(["fig, ax = plt.subplots()"] + [f"ax.plot(x, y{i})" for i in range(plot_lines - 1)]
+                       + [f"z{i} = {i}" for i in range(other_lines)] + ["# a comment does not count"])
+    outputs = [{"output_type": "display_data", "data": {"image/png": "iVBOR", "text/plain": "<Figure>"},
+                "metadata": {}}] if image else []
+    return {"cell_type": "code", "id": "f", "metadata": {}, "source": source, "outputs": outputs,
+            "execution_count": 1}
+
+
+@pytest.mark.parametrize("plot_lines, other_lines, image, folded", [
+    (8, 8, True, True),     # 8 plotting lines, half of the code: folded
+    (8, 9, True, False),    # less than half plotting: the computation stays in view
+    (7, 0, True, False),    # too short to be in the way
+    (12, 0, False, False),  # no figure drawn
+])
+def test_sync_folds_figure_code_in_the_book(plot_lines, other_lines, image, folded):
+    nb = {"cells": [figure_cell(plot_lines, other_lines, image)], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    new = sync_notebooks.hide_figure_code(nb)
+    assert ("hide-input" in new["cells"][0]["metadata"].get("tags", [])) is folded
+    assert sync_notebooks.hide_figure_code(new) == new, "folding twice changes nothing"
+    assert "jupyter" not in new["cells"][0]["metadata"], "JupyterLab and Colab keep showing the code"
+
+
+def test_a_solution_that_draws_is_not_folded_as_figure_code():
+    cell = figure_cell(10, 0)
+    cell["source"] = "# Solution (hidden in the book until clicked)\n" + cell["source"]
+    assert not sync_notebooks.is_figure_code(cell)

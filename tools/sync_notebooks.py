@@ -18,6 +18,11 @@ reader meets them:
 The heading cell is tagged ``remove-cell``, so the book (which has its own toggle) does not show it. A malformed
 notebook is reported with its file name, and notebooks are written atomically.
 
+Figure code is folded in the book: a code cell that draws a figure (an image among its outputs) and is mostly
+plotting calls (at least ``FIGURE_LINES`` lines that use ``plt``, ``fig`` or an ``ax``, and at least half of its
+code lines) gets the ``hide-input`` tag. The book then shows the figure with a "Show code cell source" toggle
+above it; JupyterLab and Colab show the code as it is, since a reader running the notebook wants to see it.
+
     python tools/sync_notebooks.py            # rewrite the notebooks in place
     python tools/sync_notebooks.py --check    # only report
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -154,6 +160,33 @@ def hide_solutions(nb: dict) -> dict:
     return new
 
 
+FIGURE_LINES = 8
+_PLOTTING = re.compile(r"\b(plt|fig|figure|axs?|axes|ax\d*|ax_\w+|\w+_ax)\b\s*[.\[,=]")
+
+
+def is_figure_code(cell: dict) -> bool:
+    """A code cell that draws a figure and is mostly plotting calls (see the module docstring)."""
+    if cell.get("cell_type") != "code" or is_solution(cell):
+        return False
+    if not any("image/png" in o.get("data", {}) or "image/svg+xml" in o.get("data", {})
+               for o in cell.get("outputs", [])):
+        return False
+    lines = [line for line in _text(cell).split("\n") if line.strip() and not line.lstrip().startswith("#")]
+    plotting = sum(1 for line in lines if _PLOTTING.search(line))
+    return plotting >= FIGURE_LINES and 2 * plotting >= len(lines)
+
+
+def hide_figure_code(nb: dict) -> dict:
+    """Return a copy of ``nb`` whose figure-drawing cells carry the ``hide-input`` tag (the book folds them)."""
+    new = json.loads(json.dumps(nb))
+    for cell in new.get("cells", []):
+        if is_figure_code(cell):
+            tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+            if "hide-input" not in tags:
+                tags.append("hide-input")
+    return new
+
+
 def read_notebook(path: Path) -> dict:
     """The notebook at ``path`` as a dict; a ``ValueError`` naming the file if it is not a readable notebook."""
     try:
@@ -182,8 +215,8 @@ def notebook_text(nb: dict) -> str:
 
 
 def synced_notebook(nb: dict, nb_name: str, repo: str) -> dict:
-    """The badge, the setup cell and the collapsed solutions, as they must be."""
-    return hide_solutions(synced(nb, nb_name, repo))
+    """The badge, the setup cell, the collapsed solutions and the folded figure code, as they must be."""
+    return hide_figure_code(hide_solutions(synced(nb, nb_name, repo)))
 
 
 def _normalise(nb: dict) -> dict:
