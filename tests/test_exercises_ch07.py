@@ -230,6 +230,51 @@ def test_accumulation_refuses_the_whole_batch_at_once_and_a_model_bypassed(capsy
     assert not ok and "saw 0 of the 10 windows" in " ".join(out.split()), out
 
 
+def test_accumulation_refuses_one_backward_over_all_micro_batches(capsys):
+    """Every micro-batch through model(...), the logits concatenated, one backward: the right gradient, but all k
+    graphs are kept until the end, so nothing is saved; the checker counts the backward passes."""
+    import torch.nn.functional as F
+
+    def one_backward(model, x, y, micro):
+        model.zero_grad()
+        logits = torch.cat([model(xs)[0] for xs in x.split(micro)])
+        F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        return [p.grad for p in model.parameters()]
+
+    ok, out = verdict(check_accumulated_gradients, one_backward, capsys)
+    flat = " ".join(out.split())
+    assert not ok and "3 forward passes with gradients enabled but 1 backward passes" in flat, out
+    assert "Call backward once per micro-batch" in flat, out
+
+
+@pytest.mark.parametrize("dummy_grad", [False, True])
+def test_accumulation_refuses_dummy_calls_beside_a_bypassed_whole_batch(dummy_grad, capsys):
+    """The whole batch through GPT.forward (around the model's own forward), plus calls model(xs) that only meet the
+    window count: under no_grad they do not count; with gradients they leave the backward passes short."""
+    from groundup.models import GPT
+
+    def dummies(model, x, y, micro):
+        model.zero_grad()
+        with torch.set_grad_enabled(dummy_grad):
+            for xs, ys in zip(x.split(micro), y.split(micro)):
+                model(xs, ys)
+        GPT.forward(model, x, y)[1].backward()
+        return [p.grad for p in model.parameters()]
+
+    ok, out = verdict(check_accumulated_gradients, dummies, capsys)
+    flat = " ".join(out.split())
+    want = "3 forward passes with gradients enabled but 1 backward passes" if dummy_grad else "saw 0 of the 10"
+    assert not ok and want in flat, out
+
+
+def test_accumulation_generic_hint_does_not_give_the_answer(capsys):
+    ok, out = verdict(check_accumulated_gradients,
+                      lambda m, x, y, c: _accumulate(m, x, y, c, weight=lambda xs, x, k: 0.5), capsys)
+    flat = " ".join(out.split())
+    assert not ok and "what share of that mean is one micro-batch's mean loss?" in flat, out
+    assert "len(xs) / len(x)" not in flat, out
+
+
 @pytest.mark.parametrize("package_call", ["train", "_split_step"])
 def test_accumulation_refuses_the_packages_own_accumulation(package_call, capsys):
     import groundup.training as training

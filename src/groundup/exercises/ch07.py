@@ -198,28 +198,33 @@ _ACCUMULATION_MODEL = dict(vocab_size=11, context_length=8, d_model=16, n_layers
 
 class _LimitedGPT(GPT):
     """A small float64 GPT that refuses more than ``max_rows`` windows per call (as if memory allowed no more),
-    records in ``seen`` how many each call got, and comes with an earlier step's gradients in ``.grad``; a deep copy
-    (what the reader is given) keeps all three."""
+    records in ``seen`` how many windows each call made with gradients enabled got (calls under no_grad build no
+    graph and do not count), counts in ``backwards`` the backward passes that reached its parameters (a hook on
+    the token embedding, which every backward through the model reaches once), and comes with an earlier step's
+    gradients in ``.grad``; a deep copy (what the reader is given) keeps all four."""
 
-    def __init__(self, max_rows: int, seen: list):
+    def __init__(self, max_rows: int, seen: list, backwards: list | None = None):
         with torch.random.fork_rng():
             torch.manual_seed(0)
             super().__init__(GPTConfig(**_ACCUMULATION_MODEL))
         self.double()
         self.max_rows, self.seen = max_rows, seen
+        self.backwards = [] if backwards is None else backwards
         for p in self.parameters():
             p.grad = torch.full_like(p, 0.5)
+        next(self.parameters()).register_post_accumulate_grad_hook(lambda p: self.backwards.append(1))
 
     def forward(self, idx, *args, **kwargs):
         rows = idx.shape[0] if isinstance(idx, torch.Tensor) and idx.dim() == 2 else 0
-        self.seen.append(rows)
+        if torch.is_grad_enabled():
+            self.seen.append(rows)
         if rows > self.max_rows:
             raise ValueError(f"model(...) was given {rows} windows at once; this model takes at most {self.max_rows} "
                              "at a time: split x into micro-batches of at most that many windows")
         return super().forward(idx, *args, **kwargs)
 
     def __deepcopy__(self, memo):
-        twin = _LimitedGPT(self.max_rows, self.seen)
+        twin = _LimitedGPT(self.max_rows, self.seen, self.backwards)
         twin.load_state_dict(self.state_dict())
         for mine, theirs in zip(self.parameters(), twin.parameters()):
             theirs.grad = None if mine.grad is None else mine.grad.clone()
@@ -238,8 +243,8 @@ def _accumulation_hint(got: list, wrong: dict) -> str:
     for hint, grads in wrong.items():
         if all(torch.allclose(a.to(b.dtype), b, rtol=1e-6, atol=1e-12) for a, b in zip(got, grads)):
             return hint
-    return ("Zero the gradients once, then for each micro-batch (xs, ys) call backward on its mean loss times "
-            "len(xs) / len(x): .grad adds up the k backward passes into the gradient of the whole batch's mean.")
+    return ("What the k backward passes add into .grad must sum to the gradient of the whole batch's mean loss: "
+            "what is in .grad before the first one, and what share of that mean is one micro-batch's mean loss?")
 
 
 def check_accumulated_gradients(fn: Callable) -> Verdict:
@@ -274,8 +279,8 @@ def check_accumulated_gradients(fn: Callable) -> Verdict:
     def checks():
         for x, y, micro, expected, wrong in cases:
             rows = x.shape[0]
-            seen = []
-            model = _LimitedGPT(micro, seen)
+            seen, backwards = [], []
+            model = _LimitedGPT(micro, seen, backwards)
             call = f"my_accumulated_grads(model, x, y, micro={micro}) with a batch of {rows} windows"
             got = call_reader(fn, model, x, y, micro, call=call, names=("model", "x", "y", "micro"),
                               forbid=(train, _split_step))
@@ -283,8 +288,14 @@ def check_accumulated_gradients(fn: Callable) -> Verdict:
             expect(isinstance(got, (list, tuple)) and len(got) == len(names), f"{call} returned "
                    f"{len(got) if isinstance(got, (list, tuple)) else 'no'} gradients, expected a list of "
                    f"{len(names)}", "Return [p.grad for p in model.parameters()], in that order.")
-            expect(sum(seen) >= rows, f"{call}: the model saw {sum(seen)} of the {rows} windows through model(...)",
-                   "Run every window through model(xs, ys), micro-batch by micro-batch.")
+            expect(sum(seen) >= rows, f"{call}: the model saw {sum(seen)} of the {rows} windows through model(...) "
+                   "with gradients enabled",
+                   "Run every window through model(xs, ys), micro-batch by micro-batch, with gradients enabled.")
+            expect(len(backwards) == len(seen), f"{call}: {len(seen)} forward passes with gradients enabled "
+                   f"but {len(backwards)} backward passes reached the model's parameters",
+                   "Call backward once per micro-batch, right after its forward pass: that frees the micro-batch's "
+                   "activations before the next one. One backward over all the micro-batches' losses keeps every "
+                   "graph in memory, as if the whole batch went through at once.")
             got = [expect_tensor(t, f"{call}: gradient of {name}") for t, name in zip(got, names)]
             for t, e, name in zip(got, expected, names):
                 expect(t.shape == e.shape, f"{call}: the gradient of {name} has shape {tuple(t.shape)}, expected "
