@@ -445,9 +445,13 @@ def _new_text_run(args, out: Path) -> _Run:
         model_config = MaskedLMConfig(**dataclasses.asdict(model_config))
         masked_lm_batches(tokenizer.vocab_size, tokenizer.vocab_size + 1, rate=mask_rate)  # checks the rate
     _check_training_size(args, cls, model_config, train_config)
-    train_data, val_data = train_val_split(torch.tensor(tokenizer.encode(text), dtype=torch.long), 0.1)
+    where = f"--text {args.text}" if args.text else f"--corpus {args.corpus}"
+    try:
+        train_data, val_data = train_val_split(torch.tensor(tokenizer.encode(text), dtype=torch.long), 0.1)
+    except ValueError:  # a part would be empty
+        raise ValueError(f"{where} has {len(text)} character{'s' if len(text) > 1 else ''}: too few to keep a tenth "
+                         "for validation; give a longer text") from None
     if args.objective != "masked" and len(val_data) <= model_config.context_length:
-        where = f"--text {args.text}" if args.text else f"--corpus {args.corpus}"
         raise ValueError(f"{where} has {len(text):,} characters: too few for --context "
                          f"{model_config.context_length}, since the validation tenth needs more than one window; give "
                          f"a longer text or at most --context {max(len(val_data) - 1, 1)}")
@@ -486,7 +490,11 @@ def _check_training_size(args, cls, model_config, train_config) -> None:
     advice = "choose smaller values" if given else "choose a smaller --d-model, --layers, --context or --batch-size"
     if copies > 1:
         advice += " or fewer processes (--nproc)"
-    per_process = needed["total"] + (PROCESS_BYTES if nproc > 1 else 0)
+    # One layer's attention weights, batch x n_H x n_C^2 float32 numbers: what the written-out attention (chapter 5)
+    # holds; the fused kernel training uses does not keep them all, but computes every one, so this is the bound
+    # that stops a --context whose steps would never end (100,000 with the defaults: 1.9 TB) before anything starts.
+    attention = 4 * train_config.batch_size * model_config.n_heads * model_config.context_length ** 2
+    per_process = needed["total"] + attention + (PROCESS_BYTES if nproc > 1 else 0)
     check_fits(per_process * copies, what, device=device, advice=advice)
 
 
@@ -500,6 +508,9 @@ def _prepare(args, out: Path) -> _Run:
 
 
 def train_command(args) -> int:
+    if not args.out.strip():
+        print("error: --out is empty: give a folder for the run (it is created if need be)", file=sys.stderr)
+        return 1
     out = Path(args.out).expanduser()
     args.out = str(out)
     if args.threads:
