@@ -6,7 +6,7 @@ import pytest
 from groundup import cli
 
 
-def test_a_text_under_ten_characters_names_the_flag(tmp_path, capsys):
+def test_a_text_too_short_to_split_names_the_flag(tmp_path, capsys):
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("abc", encoding="utf-8")
     assert cli.main(["train", "--text", str(tiny), "--out", str(tmp_path / "r"), "--no-progress"]) == 1
