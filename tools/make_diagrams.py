@@ -24,6 +24,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch, Rectangle  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from groundup.plotting import DIAGRAM_COLORS, DIAGRAM_INK  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "src" / "groundup" / "diagrams"
 UNIT = 0.5  # inches per drawing unit: every diagram is drawn in units, 1 unit = half an inch
@@ -38,19 +40,9 @@ STYLE = {
     "path.simplify": False,
 }
 
-# One colour per kind of part, in every diagram: (fill, edge).
-COLORS = {
-    "attention": ("#cfe2f3", "#3d6b99"),
-    "cross": ("#f4cccc", "#a64d4d"),
-    "norm": ("#ececec", "#666666"),
-    "ffn": ("#d9ead3", "#4e7d43"),
-    "embed": ("#fde9c9", "#a87a2f"),
-    "unembed": ("#ead1dc", "#8a4f6b"),
-    "memory": ("#fff2cc", "#a88c2f"),
-    "tensor": ("#ffffff", "#7f7f7f"),
-    "mask": ("#f7f7f7", "#7f7f7f"),
-}
-INK = "#222222"  # arrows and text
+# One colour per kind of part, in every diagram: (fill, edge); the diagrams drawn at run time share the palette.
+COLORS = DIAGRAM_COLORS
+INK = DIAGRAM_INK  # arrows and text
 RESIDUAL = "#555555"  # residual connections and the residual stream
 STREAM = "#bdbdbd"
 HEADS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2"]  # one colour per attention head

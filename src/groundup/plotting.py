@@ -481,13 +481,16 @@ def plot_accuracy_by_position(panels: Mapping[str, Mapping[str, Sequence[Sequenc
 
 DIAGRAM_UNIT = 0.5  # inches per drawing unit, as in tools/make_diagrams.py
 DIAGRAM_INK = "#222222"
-DIAGRAM_COLORS = {  # (fill, edge) per kind of part: the palette of tools/make_diagrams.py
+DIAGRAM_COLORS = {  # (fill, edge) per kind of part, in every diagram (tools/make_diagrams.py imports it)
     "attention": ("#cfe2f3", "#3d6b99"),
+    "cross": ("#f4cccc", "#a64d4d"),
     "norm": ("#ececec", "#666666"),
     "ffn": ("#d9ead3", "#4e7d43"),
     "embed": ("#fde9c9", "#a87a2f"),
+    "unembed": ("#ead1dc", "#8a4f6b"),
     "memory": ("#fff2cc", "#a88c2f"),
     "tensor": ("#ffffff", "#7f7f7f"),
+    "mask": ("#f7f7f7", "#7f7f7f"),
 }
 PROCESS_COLORS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2")  # one per process (the heads')
 MONO = "DejaVu Sans Mono"
