@@ -3,8 +3,8 @@
 A sequence of random tokens whose second half repeats the first, ``[A B C D | A B C D]``, can be predicted in its
 second half only by looking back: at the second ``B``, find the earlier ``B``, read the token after it (``C``)
 and copy it. A two-layer attention-only transformer learns this with two heads working together: a
-*previous-token head* in layer 1 writes "the token before me" into every position, and an *induction head* in
-layer 2 matches its current token against that written information (K-composition) and copies the token it
+*previous-token head* in layer 0 writes "the token before me" into every position, and an *induction head* in
+layer 1 matches its current token against that written information (K-composition) and copies the token it
 lands on. :mod:`groundup.interpretability` has the scores, ablations and patching that find them.
 
 * :func:`repeated_random_tokens` -- the sequences; :func:`induction_targets` marks the predictable positions;
@@ -19,14 +19,15 @@ n_heads=4, positional="rope", tie_weights=False)``, ``train(model, 64, 64, Train
 max_steps=2000, learning_rate=3e-3, warmup_steps=20, weight_decay=0.0, eval_batches=4), batches=induction_batches)``
 (seeds 0, 1, 2; 105-138 s each on a shared machine): the in-context loss on a fixed batch of
 ``repeated_random_tokens(256, 16, 64)`` falls from about 4.6 to about 4 within 100 steps, declines slowly to about 3.5
-by step 225-250, then falls within 100-125 steps (the runs stored by ``tools/ch14_results.py`` in
+by step 250, then falls within 100-125 steps (the runs stored by ``tools/ch14_results.py`` in
 ``groundup/results/chapter14.json``, windows by that tool's stated rule: seed 0 250-350, seed 1 250-350, seed 2
-225-350) and ends at 0.07. Each run then has one layer-1 head with previous-token score 0.89-0.99 and layer-2 heads
+225-350) and ends at 0.07. Each run then has one layer-0 head with previous-token score 0.89-0.99 and layer-1 heads
 with induction scores 0.82-0.92. The token embedding starts at the package's N(0, 0.02²); with rows at RMS 1 (the
 untied default before chapter 3's runs changed it; the runs stored at commit a2e3944) the same recipe sat near 3
 until step 675-850 and fell within 175 steps. With learned absolute positions (seed 0, the same steps, learning
-rates 1e-3 and 3e-3) no induction head formed (largest induction score 0.16, in-context loss 2.46 and 2.31 at the
-end); on fixed-length repeats a one-layer positional shortcut forms instead (see :func:`random_repeats`).
+rates 1e-3 and 3e-3; runs made while writing chapter 14, not stored) no induction head formed (largest induction
+score 0.16, in-context loss 2.46 and 2.31 at the end); on fixed-length repeats a one-layer positional shortcut forms
+instead (see :func:`random_repeats`).
 """
 
 from __future__ import annotations
