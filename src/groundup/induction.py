@@ -214,7 +214,7 @@ def hand_built_induction_model(vocab_size: int, context_length: int, *, sharpnes
                                  positional="learned", norm="rmsnorm", bias=False, tie_weights=False)
     model = GPT(config)
     g = float(decoy_gain)
-    # RMSNorm's factor d / |x|^2: layer 1 sees TOK + POS; layer 2 also PREV and g SCRATCH; the end also OUT, 2g SCRATCH
+    # RMSNorm's factor d / |x|^2: layer 0 sees TOK + POS; layer 1 also PREV and g SCRATCH; the end also OUT, 2g SCRATCH
     s1, s2, s_f = math.sqrt(d / 2), math.sqrt(d / (3 + g * g)), math.sqrt(d / (4 + 4 * g * g))
     with torch.no_grad():
         for p in model.parameters():
@@ -234,13 +234,13 @@ def hand_built_induction_model(vocab_size: int, context_length: int, *, sharpnes
             att.W_o.weight[scratch:scratch + v, h1][:, :v] = g * torch.eye(v) / s
         a1 = sharpness * math.sqrt(d_head) / s1 ** 2
         a2 = sharpness * math.sqrt(d_head) / s2 ** 2
-        # layer 1, head 0: previous token (query row r reads POS_{r+1}, key row r reads POS_r)
+        # layer 0 (att1), head 0: previous token (query row r reads POS_{r+1}, key row r reads POS_r)
         for r in range(n - 1):
             att1.W_q.weight[r, pos + r + 1] = a1
         att1.W_k.weight[:n, pos:pos + n] = torch.eye(n)
         att1.W_v.weight[:v, tok:tok + v] = torch.eye(v)
         att1.W_o.weight[prev:prev + v, :v] = torch.eye(v) / s1
-        # layer 2, head 0: induction (query TOK, key PREV; key coordinate v pushes position 0 away)
+        # layer 1 (att2), head 0: induction (query TOK, key PREV; key coordinate v pushes position 0 away)
         att2.W_q.weight[:v, tok:tok + v] = a2 * torch.eye(v)
         att2.W_q.weight[v, tok:tok + v] = a2
         att2.W_k.weight[:v, prev:prev + v] = torch.eye(v)
