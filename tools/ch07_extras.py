@@ -39,13 +39,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from results_file import add_entry
+from results_file import add_entry, machine
 
 from groundup.char_data import char_corpus
 from groundup.lr_range import lr_range_test, suggest_lr
@@ -70,24 +69,6 @@ SUGGESTIONS_RULE = ("groundup.lr_range.suggest_lr on the stored losses: centred 
                     "steps left out; steepest = fastest fall against log lr, minimum_over_10 = a tenth of the lowest")
 ENTRIES = ("bf16-speed", "bf16-training", "accumulation-speed", "lr-range", "lr-rules")
 RULES = ("steepest", "minimum_over_10", "minimum", "tuned_peak")
-
-
-def machine() -> dict:
-    """The CPU's name, its flags that matter for bfloat16, the threads and PyTorch's kernels in force."""
-    name, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
-    return {"cpu": name, "flags": {f: f in flags for f in wanted}, "threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_cbwr": os.environ.get("MKL_CBWR"),
-            "torch": torch.__version__}
 
 
 def model_for(vocab_size: int, shape: dict, seed: int) -> GPT:

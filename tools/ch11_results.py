@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from results_file import add_entry
+from results_file import add_entry, machine
 
 from groundup.bench import ratio_quartiles
 from groundup.data import get_batch, load_corpus, train_val_split
@@ -131,16 +131,6 @@ def torchrun(kind: str, folder: Path) -> str:
 
 
 # ---- the entries ---------------------------------------------------------------------------------------------
-
-
-def machine() -> dict:
-    name = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            name = line.partition(":")[2].strip()
-            break
-    return {"cpu": name, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def load_average() -> list[float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import platform
 from pathlib import Path
 
 from groundup.utils import atomic_write_text
@@ -37,3 +38,25 @@ def add_entry(path: Path, key: str, entry, *, section: str | None = "runs", head
         atomic_write_text(path, json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     finally:
         os.close(fd)
+
+
+def machine() -> dict:
+    """Where a stored measurement ran: the CPU's name and core count, its flags that matter for bfloat16, the threads,
+    PyTorch's kernels and MKL's code path in force, and PyTorch's version."""
+    import torch  # only the tools that describe their machine need it
+
+    name, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
+    return {"cpu": name, "cpu_count": os.cpu_count(), "flags": {f: f in flags for f in wanted},
+            "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "mkl_cbwr": os.environ.get("MKL_CBWR"),
+            "torch": torch.__version__}
