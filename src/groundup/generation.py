@@ -7,7 +7,9 @@
   (:func:`groundup.seq2seq.beam_search`);
 * :func:`top_k_filter` -- keep the ``k`` largest logits of every distribution (Fan et al., 2018);
 * :func:`top_p_filter` -- keep the smallest set of most probable tokens whose probability reaches ``p``
-  (Holtzman et al., 2020).
+  (Holtzman et al., 2020);
+* :func:`sampling_logits` -- the temperature and both filters in ``generate``'s order (the sampling view of
+  :mod:`groundup.widgets` shows the same distribution).
 
 The filters return new logits with the removed entries set to ``-inf`` (so a softmax gives them probability
 exactly 0); they never modify their input.
@@ -23,7 +25,8 @@ from torch import nn
 
 from groundup.attention import reusing_stacked_weights
 
-__all__ = ["generate", "beam_search", "beam_step", "best_beam", "top_k_filter", "top_p_filter", "TOP_P_TOLERANCE"]
+__all__ = ["generate", "beam_search", "beam_step", "best_beam", "sampling_logits", "top_k_filter", "top_p_filter",
+           "TOP_P_TOLERANCE"]
 
 TOP_P_TOLERANCE = 1e-6
 """Probability mass by which a cumulative sum may fall short of ``p`` and still count as reaching it.
@@ -141,17 +144,23 @@ def _check_generate_args(model, idx, max_new_tokens, temperature, top_k, top_p, 
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
 
-def _next_token(logits: torch.Tensor, *, temperature, top_k, top_p, greedy, generator) -> torch.Tensor:
-    """One new id per row of ``logits (batch, vocab_size)``: the argmax, or a sample after the transformations."""
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    if greedy:
-        return logits.argmax(dim=-1, keepdim=True)
+def sampling_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """The logits a sampling step of :func:`generate` takes the softmax of: ``logits`` divided by ``temperature``,
+    then :func:`top_k_filter` with ``top_k`` and :func:`top_p_filter` with ``top_p`` (``None``: no filter)."""
     logits = logits / temperature
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
     if top_p is not None:
         logits = top_p_filter(logits, top_p)
-    probs = torch.softmax(logits, dim=-1)
+    return logits
+
+
+def _next_token(logits: torch.Tensor, *, temperature, top_k, top_p, greedy, generator) -> torch.Tensor:
+    """One new id per row of ``logits (batch, vocab_size)``: the argmax, or a sample after the transformations."""
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    if greedy:
+        return logits.argmax(dim=-1, keepdim=True)
+    probs = torch.softmax(sampling_logits(logits, temperature, top_k, top_p), dim=-1)
     if generator is not None and generator.device != probs.device:  # e.g. a CPU generator for a CUDA model
         return torch.multinomial(probs.to(generator.device), 1, generator=generator).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator)

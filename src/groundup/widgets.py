@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from groundup.generation import top_k_filter, top_p_filter
+from groundup.generation import sampling_logits
 from groundup.plotting import COLUMN
 
 __all__ = ["SamplingView", "sampling_distribution", "plot_sampling", "sampling_explorer", "attention_layers",
@@ -104,22 +104,17 @@ def sampling_distribution(logits: torch.Tensor, *, temperature: float = 1.0, top
                           top_p: float | None = None) -> SamplingView:
     """The distribution :func:`~groundup.generation.generate` draws from for the next-token ``logits (n_V,)``.
 
-    The same operations in the same order as a sampling step of ``generate``: divide by ``temperature``, then
-    :func:`~groundup.generation.top_k_filter` with ``top_k`` and :func:`~groundup.generation.top_p_filter` with
-    ``top_p`` (``None``: no filter), then a softmax. Raises ``ValueError`` for a temperature that is not a finite
+    A sampling step of ``generate``: :func:`~groundup.generation.sampling_logits` (divide by ``temperature``, then
+    top-k with ``top_k`` and top-p with ``top_p``; ``None``: no filter), then a softmax.
+    Raises ``ValueError`` for a temperature that is not a finite
     number > 0 and for the filters' invalid ``top_k`` / ``top_p``.
     """
     logits = _check_logits(logits)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    scaled = logits / temperature
-    filtered = scaled
-    if top_k is not None:
-        filtered = top_k_filter(filtered, top_k)
-    if top_p is not None:
-        filtered = top_p_filter(filtered, top_p)
-    return SamplingView(model_probs=torch.softmax(logits, dim=-1), tempered=torch.softmax(scaled, dim=-1),
+    filtered = sampling_logits(logits, temperature, top_k, top_p)
+    return SamplingView(model_probs=torch.softmax(logits, dim=-1), tempered=torch.softmax(logits / temperature, dim=-1),
                         probs=torch.softmax(filtered, dim=-1), kept=torch.isfinite(filtered),
                         temperature=float(temperature), top_k=top_k, top_p=top_p)
 
