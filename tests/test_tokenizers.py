@@ -756,3 +756,50 @@ def test_gpt2_bench_fits_the_exponent_and_builds_tiktoken_from_our_ranks(gpt2):
     word = bench.random_word(500)
     assert len(word) == 500 and word.isalpha() and word.islower() and regex.findall(GPT2_SPLIT_PATTERN, word) == [word]
     assert bench.tiktoken_gpt2().encode_ordinary(MIXED + word) == gpt2.encode_ordinary(MIXED + word)
+
+
+# ---- the two speed-ups of GPT-2's tokenizer: a reordered split pattern and whole tokens -------------------------
+
+from groundup.tokenizers import _FASTER_SPLIT  # noqa: E402
+
+SPLIT_ALPHABET = "'stremvldST aé日1٣²_!?-\n\t\u00a0\u2009🙂"  # contraction letters, spaces, letters, digits
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=SPLIT_ALPHABET, max_size=60) | st.text(max_size=60))
+def test_faster_split_finds_gpt2s_chunks(text):
+    assert regex.findall(_FASTER_SPLIT[GPT2_SPLIT_PATTERN], text) == regex.findall(GPT2_SPLIT_PATTERN, text)
+
+
+def test_faster_split_finds_gpt2s_chunks_on_the_corpus():
+    from groundup.data import load_corpus
+
+    text = load_corpus("shakespeare")[:1_000_000] + MIXED + " 's 'S 're're 'll'd 've  's\n 't"
+    faster = regex.compile(_FASTER_SPLIT[GPT2_SPLIT_PATTERN]).findall(text)
+    assert faster == regex.compile(GPT2_SPLIT_PATTERN).findall(text) and len(faster) > 250_000
+    assert BPETokenizer(())._split("I'll") == ["I", "'ll"]  # the tokenizer splits with the faster form
+
+
+def test_every_gpt2_token_encodes_to_itself(gpt2):
+    """What whole_tokens=True promises for a tokenizer made from ranks (merges_from_ranks's argument)."""
+    assert gpt2._whole and len(gpt2._whole) > 49_000
+    for i in range(256, 256 + len(gpt2.merges)):
+        assert merge_by_scan(list(gpt2.vocab[i].translate(gpt2._byte_table)), gpt2.ranks) == [i]
+    assert all(gpt2.vocab[i] == s.encode() for s, i in gpt2._whole.items())
+
+
+def test_whole_tokens_is_a_promise_not_every_tokenizer_keeps():
+    # merges ab (256), bc (257), a+bc (258): "abc" encodes as ab, c, though "abc" is token 258
+    a, b, c = ord("a"), ord("b"), ord("c")
+    merges = [(a, b), (b, c), (a, 257)]
+    assert BPETokenizer(merges, pattern=None).encode("abc") == [256, c]
+    assert BPETokenizer(merges, pattern=None, whole_tokens=True).encode("abc") == [258]  # the broken promise
+    assert BPETokenizer(merges, pattern=None)._whole == {}  # off by default
+
+
+def test_whole_tokens_change_no_id_of_gpt2(gpt2):
+    plain = load_gpt2_tokenizer()
+    plain._whole = {}
+    text = MIXED + "".join(gpt2.decode([i]) for i in range(0, 50_000, 7))
+    assert gpt2.encode_ordinary(text) == plain.encode_ordinary(text)
+    assert gpt2._cache and all(type(ids) is tuple for ids in gpt2._cache.values())

@@ -62,6 +62,14 @@ CACHE_SIZE = 200_000  # distinct chunks whose encoding BPETokenizer.encode remem
 #: Both cover every character, and neither can backtrack catastrophically.
 KNOWN_PATTERNS = frozenset({GPT2_SPLIT_PATTERN})
 
+# The same split, written so that the regex package finds it 15 % faster (measured on Shakespeare): the common
+# case, a word, is tried first, and the contractions share their apostrophe. It matches the same chunks at
+# every position: the regex package takes the first alternative that matches; no two alternatives of the
+# contraction group are prefixes of each other; and a contraction starts with an apostrophe, which neither a
+# letter nor a space is, so ` ?\p{L}+` and a contraction never both match at one position and their order
+# cannot matter. (Tested on the corpus and on random text against the pattern as GPT-2 writes it.)
+_FASTER_SPLIT = {GPT2_SPLIT_PATTERN: r""" ?\p{L}+|'(?:s|t|re|ve|m|ll|d)| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""}
+
 # Bounds on what a tokenizer file may describe (GPT-2 has 50,000 merges in a file of about 1 MB here).
 MAX_FILE_BYTES = 32 * 2**20
 MAX_MERGES = 1_000_000
@@ -424,9 +432,9 @@ def _make_splitter(pattern: str | None):
     """
     if pattern is None:
         return lambda text: [text] if text else []
-    compiled = regex.compile(pattern)
     if pattern in KNOWN_PATTERNS:
-        return compiled.findall
+        return regex.compile(_FASTER_SPLIT.get(pattern, pattern)).findall
+    compiled = regex.compile(pattern)
     finditer = compiled.finditer
 
     def split(text: str) -> list[str]:
@@ -478,10 +486,17 @@ class BPETokenizer:
     surrogate, which is not a character and has no UTF-8 bytes, is refused with a ``ValueError``). Special
     tokens are matched in the text before anything else, so they are never split; ordinary text never
     produces their ids. ``vocab`` maps every id to its bytes (:class:`TokenBytes`).
+
+    ``whole_tokens=True`` promises that every token's own bytes, encoded, give that token alone; a chunk that
+    spells a whole token then gets its id without merging (tiktoken's shortcut). The promise holds for a
+    tokenizer made from a ranks table by :func:`merges_from_ranks` (see there), such as GPT-2's; it does not
+    hold for every list of merges (with merges ``ab``, ``bc``, ``a+bc`` the token ``abc`` encodes to
+    ``ab, c``), so it is off by default, and it is not saved with the tokenizer.
     """
 
     def __init__(self, merges: Sequence[tuple[int, int]] = (), *, pattern: str | None = GPT2_SPLIT_PATTERN,
-                 special_tokens: Sequence[str] = (), byte_ids: Sequence[int] | None = None):
+                 special_tokens: Sequence[str] = (), byte_ids: Sequence[int] | None = None,
+                 whole_tokens: bool = False):
         self.byte_ids = _check_byte_ids(byte_ids)
         self.merges = [(int(a), int(b)) for a, b in merges]
         for k, (a, b) in enumerate(self.merges):
@@ -502,7 +517,8 @@ class BPETokenizer:
         self.ranks = {pair: 256 + k for k, pair in enumerate(self.merges)}
         self.vocab = TokenBytes(self.merges, [s.encode("utf-8") for s in self.special_tokens], self.byte_ids)
         self._byte_table = None if self.byte_ids is None else bytes(self.byte_ids)  # for bytes.translate
-        self._cache: dict[str, list[int]] = {}
+        self._whole = self._whole_token_ids() if whole_tokens else {}
+        self._cache: dict[str, tuple[int, ...]] = {}
 
     # ---- training -------------------------------------------------------------------------------------
 
@@ -540,6 +556,16 @@ class BPETokenizer:
     @property
     def vocab_size(self) -> int:
         return 256 + len(self.merges) + len(self.special_tokens)
+
+    def _whole_token_ids(self) -> dict[str, int]:
+        """``text -> id`` for every ordinary token whose bytes are UTF-8 text (the ``whole_tokens`` shortcut)."""
+        whole = {}
+        for i in range(256 + len(self.merges)):
+            try:
+                whole[self.vocab[i].decode("utf-8")] = i
+            except UnicodeDecodeError:
+                pass  # part of a character: no chunk of text spells it
+        return whole
 
     def _pieces(self, text: str) -> list[str]:
         """``text`` cut at the special tokens (which are kept as pieces of their own)."""
@@ -588,18 +614,20 @@ class BPETokenizer:
     def _encode_plain(self, text: str, out: list[int]) -> None:
         """Append the ids of ``text`` (no special tokens in it) to ``out``.
 
-        Prose repeats its chunks (5 MB of Shakespeare: 1.27 M chunks, 36 k distinct), so each distinct chunk is
-        encoded once, and the results are remembered across calls (up to ``CACHE_SIZE`` chunks).
+        Prose repeats its chunks (5 MB of Shakespeare: 1.36 M chunks, 36 k distinct), so each distinct chunk is
+        encoded once, and the results are remembered across calls (up to ``CACHE_SIZE`` chunks). With
+        ``whole_tokens``, a chunk that is a token needs no merging (12.7 k of GPT-2's 36 k on Shakespeare).
         """
         chunks = self._split(text)
         table = dict.fromkeys(chunks)  # the distinct chunks, in order of first appearance
-        cache = self._cache
+        cache, whole = self._cache, self._whole
         for chunk in table:
             ids = cache.get(chunk)
             if ids is None:
                 if len(cache) >= CACHE_SIZE:
                     cache.clear()
-                ids = cache[chunk] = self._encode_chunk(chunk)
+                i = whole.get(chunk)
+                ids = cache[chunk] = (i,) if i is not None else tuple(self._encode_chunk(chunk))
             table[chunk] = ids
         out += itertools.chain.from_iterable(map(table.__getitem__, chunks))
 
@@ -764,6 +792,11 @@ def merges_from_ranks(ranks: dict[bytes, int]) -> tuple[list[int], list[tuple[in
     which gives ``byte_ids``), and every later token of rank r is the merge of the two tokens that BPE, using
     only the tokens ranked below r, leaves when it encodes r's bytes. Encoding with those merges then gives
     the same ids as the table.
+
+    Every token's own bytes then encode to that token alone (so such a tokenizer may take ``whole_tokens=True``):
+    the loop below is BPE on the token's bytes with the earlier ranks, and it must end at two parts, ``(a, b)``,
+    or the table is refused; BPE with all ranks takes the same steps, since some pair ranked below r was always
+    present, and then merges ``(a, b)`` into the token.
     """
     tokens = sorted(ranks, key=ranks.get)
     if len(tokens) < 256 or sorted(len(t) for t in tokens[:256]) != [1] * 256:
@@ -806,4 +839,5 @@ def load_gpt2_tokenizer(*, cache_dir: str | os.PathLike | None = None) -> BPETok
     or :meth:`BPETokenizer.encode_ordinary` (it stays text).
     """
     byte_ids, merges = _gpt2_merges(None if cache_dir is None else os.fspath(cache_dir))
-    return BPETokenizer(merges, pattern=GPT2_SPLIT_PATTERN, special_tokens=[GPT2_END_OF_TEXT], byte_ids=byte_ids)
+    return BPETokenizer(merges, pattern=GPT2_SPLIT_PATTERN, special_tokens=[GPT2_END_OF_TEXT], byte_ids=byte_ids,
+                        whole_tokens=True)
