@@ -27,6 +27,7 @@ from groundup.interpretability import (
     residual_patching,
     residual_stream,
 )
+from groundup.linear import Linear
 from groundup.models import GPT, GPTConfig
 
 
@@ -382,6 +383,7 @@ def _attention_only(seed):
 
 def test_remove_from_inputs_on_all_paths_is_the_ablation_seen_by_the_next_block():
     model, ids = _attention_only(3), _ids()
+    kinds = [type(m) for m in model.modules()]
     plain, plain_logits = _attention_output(model, 1, ids)
     with ablate_heads(model, [(0, 2)]):
         ablated, _ = _attention_output(model, 1, ids)
@@ -392,7 +394,7 @@ def test_remove_from_inputs_on_all_paths_is_the_ablation_seen_by_the_next_block(
     assert not torch.equal(logits, plain_logits)
     # the hooks and the unfused projections are gone afterwards
     assert torch.equal(_attention_output(model, 1, ids)[0], plain)
-    assert type(model.blocks[1].attention.W_k) is torch.nn.Linear
+    assert [type(m) for m in model.modules()] == kinds and type(model.blocks[1].attention.W_k) is Linear
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 

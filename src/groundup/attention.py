@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from groundup.linear import Linear, linear
 from groundup.norms import RMSNorm
 from groundup.utils import positive_int, version_counter
 
@@ -202,6 +203,9 @@ def _sdpa_has_gqa() -> bool:
 
 _SDPA_HAS_GQA = _sdpa_has_gqa()
 
+#: The layer types attention stacks into one matmul (a subclass, e.g. with hooks of its own, computes alone).
+FUSABLE = (nn.Linear, Linear)
+
 
 class _Reuse:
     """Which :func:`reusing_stacked_weights` block is open: 0 for none, else a number no earlier block had."""
@@ -287,10 +291,10 @@ class MultiHeadAttention(nn.Module):
         self.d_model, self.n_heads, self.d_head, self.dropout = d_model, n_heads, d_head, dropout
         self.n_kv_heads, self.qk_norm = n_kv_heads, qk_norm
         inner, inner_kv = n_heads * d_head, n_kv_heads * d_head
-        self.W_q = nn.Linear(d_model, inner, bias=bias)
-        self.W_k = nn.Linear(d_model, inner_kv, bias=bias)
-        self.W_v = nn.Linear(d_model, inner_kv, bias=bias)
-        self.W_o = nn.Linear(inner, d_model, bias=bias)
+        self.W_q = Linear(d_model, inner, bias=bias)
+        self.W_k = Linear(d_model, inner_kv, bias=bias)
+        self.W_v = Linear(d_model, inner_kv, bias=bias)
+        self.W_o = Linear(inner, d_model, bias=bias)
         if qk_norm:
             self.q_norm = RMSNorm(d_head, eps=norm_eps)
             self.k_norm = RMSNorm(d_head, eps=norm_eps)
@@ -316,7 +320,7 @@ class MultiHeadAttention(nn.Module):
         if context is None and need_kv and self._fusable(("W_q", "W_k", "W_v")):  # one matmul instead of three
             w, b = self._stacked_weights(("W_q", "W_k", "W_v"))
             inner, inner_kv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
-            return F.linear(x, w, b).split([inner, inner_kv, inner_kv], dim=-1)
+            return linear(x, w, b).split([inner, inner_kv, inner_kv], dim=-1)
         q = self.W_q(x)
         if not need_kv:
             return q, None, None
@@ -324,12 +328,12 @@ class MultiHeadAttention(nn.Module):
             source = x if context is None else context
             return q, self.W_k(source), self.W_v(source)
         w, b = self._stacked_weights(("W_k", "W_v"))
-        k, v = F.linear(x if context is None else context, w, b).chunk(2, dim=-1)
+        k, v = linear(x if context is None else context, w, b).chunk(2, dim=-1)
         return q, k, v
 
     def _fusable(self, names: tuple[str, ...]) -> bool:
-        """Whether the layers ``names`` are plain ``nn.Linear`` s, whose weights may be stacked into one matmul."""
-        return all(type(getattr(self, name)) is nn.Linear for name in names)
+        """Whether the layers ``names`` are plain linear layers, whose weights may be stacked into one matmul."""
+        return all(type(getattr(self, name)) in FUSABLE for name in names)
 
     def _stacked_weights(self, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weights (and biases) of the layers ``names`` stacked into one matrix (and one vector).

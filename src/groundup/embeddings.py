@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from groundup.linear import linear
+
 INITS = ("rms", "normal", "small")
 """The initialisations :class:`TokenEmbedding` accepts (see its docstring)."""
 
@@ -147,7 +149,7 @@ class Unembedding(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         try:
-            return x @ self.weight.T
+            return linear(x, self.weight)
         except RuntimeError as err:
             if x.dtype != self.weight.dtype:
                 raise TypeError(f"x has dtype {x.dtype} but the unembedding's weight is {self.weight.dtype}; "

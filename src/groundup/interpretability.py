@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from groundup.attention import FUSABLE
 from groundup.layers import LayerNorm, RMSNorm
 from groundup.models import GPT
 from groundup.utils import positive_int
@@ -593,8 +594,9 @@ def ablate_heads(model: GPT, heads: Iterable[tuple[int, int]], *, mode: str = "z
 
 
 class _Unfused(nn.Linear):
-    """An ``nn.Linear`` that attention does not stack with its neighbours into one matmul (it fuses only plain
-    ``nn.Linear`` s), so that a hook on it runs. Used by :func:`remove_from_inputs` while its hooks are on."""
+    """An ``nn.Linear`` that attention does not stack with its neighbours into one matmul (it fuses only the
+    types in ``attention.FUSABLE``), so that a hook on it runs. Used by :func:`remove_from_inputs` while its
+    hooks are on."""
 
 
 @contextlib.contextmanager
@@ -640,10 +642,10 @@ def remove_from_inputs(model: GPT, source: tuple[int, int], layer: int, paths: I
         return (block.norm_1(seen["x"] - seen["c"]),) + tuple(args[1:])
 
     swapped = [getattr(attention, f"W_{p}") for p in COMPOSITIONS]
-    swapped = [m for m in swapped if type(m) is nn.Linear]
+    swapped = [(m, type(m)) for m in swapped if type(m) in FUSABLE]
     with _hooks() as handles:
         try:
-            for m in swapped:
+            for m, _ in swapped:
                 m.__class__ = _Unfused
             handles.append(out.register_forward_pre_hook(record_c))
             handles.append(block.register_forward_pre_hook(record_x))
@@ -651,8 +653,8 @@ def remove_from_inputs(model: GPT, source: tuple[int, int], layer: int, paths: I
                 handles.append(getattr(attention, f"W_{p}").register_forward_pre_hook(without_c))
             yield model
         finally:
-            for m in swapped:
-                m.__class__ = nn.Linear
+            for m, kind in swapped:
+                m.__class__ = kind
 
 
 def _stream_hook(model: GPT, layer: int, replace):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from groundup.attention import MultiHeadAttention
+from groundup.linear import Linear
 from groundup.norms import (  # noqa: F401 (LayerNorm, RMSNorm: public here too)
     NORMS,
     LayerNorm,
@@ -58,9 +59,9 @@ class FeedForward(nn.Module):
         _check_dropout(dropout)
         self.d_model, self.d_ff, self.activation = d_model, d_ff, activation
         if activation == "swiglu":
-            self.W_gate = nn.Linear(d_model, d_ff, bias=bias)  # weight [d_ff, d_model]
-        self.W_in = nn.Linear(d_model, d_ff, bias=bias)  # weight [d_ff, d_model], bias β_in
-        self.W_out = nn.Linear(d_ff, d_model, bias=bias)  # weight [d_model, d_ff], bias β_out
+            self.W_gate = Linear(d_model, d_ff, bias=bias)  # weight [d_ff, d_model]
+        self.W_in = Linear(d_model, d_ff, bias=bias)  # weight [d_ff, d_model], bias β_in
+        self.W_out = Linear(d_ff, d_model, bias=bias)  # weight [d_model, d_ff], bias β_out
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
