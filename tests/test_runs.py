@@ -419,3 +419,45 @@ def test_a_second_run_in_a_folder_in_use_is_refused_naming_it(tmp_path, text_fil
         assert not (out / CHECKPOINT_NAME).exists()
     assert cli.main(["train", "--text", str(text_file), "--out", str(out), "--max-steps", "2", *SMALL]) == 0
     assert load_checkpoint(out)[1]["step"] == 2
+
+
+# --- the task table: every task is a --task choice (or the default) and starts and resumes through its own functions
+
+def test_every_task_is_on_the_command_line_and_starts_and_resumes_its_own_runs(dates_run, tmp_path, text_file,
+                                                                               monkeypatch):
+    from groundup import runs
+    from groundup.cli import _parser
+    from groundup.training import MODEL_CLASSES
+
+    train_parser = _parser()._subparsers._group_actions[0].choices["train"]
+    choices = next(action.choices for action in train_parser._actions if action.dest == "task")
+    assert runs.DEFAULT_TASK not in choices and {*choices, runs.DEFAULT_TASK} == set(runs.TASKS)
+    assert all(task.name == name for name, task in runs.TASKS.items())
+    for cls, _ in MODEL_CLASSES.values():  # a checkpoint's model tells which task resumes it: exactly one
+        assert [name for name, task in runs.TASKS.items() if issubclass(cls, task.models)] in \
+            ([name] for name in runs.TASKS), cls.__name__
+    new_run = {"text": ["--text", str(text_file), "--max-steps", "2", *SMALL], "dates": TINY_DATES}
+    assert set(new_run) == set(runs.TASKS), "give each task a tiny run here"
+
+    called = []
+
+    def spy(function, what):
+        def recorded(*args):
+            called.append(what)
+            return function(*args)
+        return recorded
+
+    for name, task in runs.TASKS.items():
+        monkeypatch.setitem(runs.TASKS, name, dataclasses.replace(task, new=spy(task.new, ("new", name)),
+                                                                  resume=spy(task.resume, ("resume", name))))
+    for name in runs.TASKS:
+        out = tmp_path / "new" / name
+        run = runs._prepare(_parser().parse_args(["train", "--out", str(out), *new_run[name]]), out)
+        assert called.pop() == ("new", name) and run.task is runs.TASKS[name]
+    text_run = tmp_path / "text"
+    assert cli.main(["train", "--out", str(text_run), *new_run["text"]]) == 0 and called.pop() == ("new", "text")
+    finished = {"text": text_run, "dates": dates_run}
+    assert set(finished) == set(runs.TASKS), "give each task a finished run here"
+    for name, out in finished.items():
+        run = runs._prepare(_parser().parse_args(["train", "--out", str(out), "--resume"]), out)
+        assert called.pop() == ("resume", name) and run.task is runs.TASKS[name]
