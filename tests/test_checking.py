@@ -160,6 +160,20 @@ def test_reader_errors_are_the_readers_and_checker_crashes_are_the_books(capsys)
         call_reader(lambda: [][0])
 
 
+def test_the_report_address_is_pyprojects(capsys, monkeypatch):
+    import tomllib
+    from pathlib import Path
+
+    from groundup.exercises import checking
+
+    urls = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["urls"]
+    assert checking._report_url() == urls["Repository"].rstrip("/") + "/issues"
+    monkeypatch.setattr(checking, "_report_url", lambda: None)  # installed without metadata: no address at all
+    run_checks("Exercise 0.8", functools.partial(operator.getitem, [], 1))
+    out = capsys.readouterr().out
+    assert "on the book's repository (its issues page)" in out and "http" not in out
+
+
 def test_float32_against_float64_uses_a_float32_tolerance():
     x = torch.randn(4, 8, dtype=torch.float64)
     expect_close(torch.softmax(x.float(), -1), torch.softmax(x, -1), "softmax", rtol=1e-9, atol=1e-12)

@@ -54,9 +54,6 @@ DEFAULT_TIMEOUT = float(os.environ.get("GROUNDUP_CHECK_TIMEOUT", "10"))
 MESSAGE_WIDTH = 80
 """Verdicts are wrapped to this many characters, the width the book shows."""
 
-_REPORT_URL = "https://github.com/groundup-book/transformers-from-the-ground-up/issues"
-
-
 class Mismatch(AssertionError):
     """A wrong answer: ``what`` says what was tested and what came back, ``hint`` how to fix it."""
 
@@ -407,7 +404,9 @@ class Verdict:
         pass
 
 
-def _report_url() -> str:
+def _report_url() -> str | None:
+    """The issues page of the repository named in the package's metadata (``[project.urls]`` in pyproject.toml,
+    the one place the address is kept), or None when the package is not installed with its metadata."""
     try:
         from importlib.metadata import metadata
 
@@ -415,9 +414,9 @@ def _report_url() -> str:
             label, _, url = entry.partition(",")
             if label.strip().lower() == "repository":
                 return url.strip().rstrip("/") + "/issues"
-    except Exception:  # noqa: BLE001 -- the fallback address is as good
+    except Exception:  # noqa: BLE001 -- the message then names no address
         pass
-    return _REPORT_URL
+    return None
 
 
 def _say(text: str, indent: str = "   ", first: str = "") -> None:
@@ -445,7 +444,9 @@ def _reader_error(title: str, err: BaseException, hint: str = "") -> Verdict:
 def _checker_crashed(title: str, err: BaseException) -> Verdict:
     _say(f"⚠️ {title}: the checker itself crashed ({type(err).__name__}: {err}). This is a bug in the book, "
          "not a verdict on your code.")
-    _say(f"Please report it at {_report_url()}, with the code of your function.", first="   ")
+    url = _report_url()
+    where = f"at {url}" if url else "on the book's repository (its issues page)"
+    _say(f"Please report it {where}, with the code of your function.", first="   ")
     return Verdict(False, checker_error=True)
 
 
