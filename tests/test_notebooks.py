@@ -99,6 +99,14 @@ def test_code_lines_fit_the_book(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_nbval_markers_are_cell_tags_not_comments(path):
+    """nbval reads the tags nbval-ignore-output / nbval-skip; a '# NBVAL_...' comment would be noise in the reader's
+    code (issue 26), so none may come back."""
+    noisy = [i for i, c in enumerate(cells(path)) if c["cell_type"] == "code" and "# NBVAL_" in source(c)]
+    assert not noisy, f"{path.name}: cells {noisy} carry a '# NBVAL_' comment; use the cell tag instead"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_markdown_has_no_myst_syntax(path):
     for cell in cells(path, "markdown"):
         match = MYST.search(source(cell))
