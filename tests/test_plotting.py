@@ -179,3 +179,43 @@ def test_plot_accuracy_by_position_draws_seeds_thin_and_the_mean_thick():
         plot_accuracy_by_position({"p": runs}, [32, 3])
     with pytest.raises(ValueError, match="at least one panel"):
         plot_accuracy_by_position({}, [3, 32])
+
+
+def test_plot_head_statistics_writes_every_value_and_centres_the_reference_panel_on_its_level():
+    import numpy as np
+    import torch
+
+    from groundup.plotting import plot_head_statistics
+
+    itself = torch.tensor([[0.13, 0.17, 0.40], [0.05, 0.24, 0.30]])
+    gap = np.array([[0.18, 0.20, 0.23], [0.08, 0.36, 0.48]])
+    fig = plot_head_statistics({"itself": itself, "latest gap": gap, "distance": [[6.5, 2.65, 2.5], [12.03, 2, 4]]},
+                               reference={"latest gap": 0.21}, units={"distance": "characters"}, title="Heads")
+    panels = [ax for ax in fig.axes if ax.get_label() != "<colorbar>" and ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["itself", "latest gap\n(white: even spread, 0.21)", "distance"]
+    assert fig.get_suptitle() == "Heads" and len(fig.axes) == 4 + 3  # 2 x 2 panels (one unused) and 3 colour bars
+    for ax, table in zip(panels, (itself.numpy(), gap, np.array([[6.5, 2.65, 2.5], [12.03, 2, 4]]))):
+        np.testing.assert_allclose(ax.images[0].get_array(), table)
+        written = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in ax.texts}
+        assert written == {(i, j): f"{table[i, j]:.2f}" for i in range(2) for j in range(3)}
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "3"] and ax.get_xlabel() == "head"
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "2"] and ax.get_ylabel() == "layer"
+    image = panels[1].images[0]
+    assert image.norm(0.21) == 0.5 and image.norm(0.48) == 1.0  # white at the level, symmetric: 0.27 either side
+    np.testing.assert_allclose(image.cmap(0.5)[:3], (0.97, 0.97, 0.97), atol=0.02)  # RdBu_r's middle is white
+    assert panels[0].images[0].norm.vmin == 0.0 and panels[0].images[0].norm.vmax == np.float32(0.40)
+    assert "characters" in [ax.get_ylabel() for ax in fig.axes]
+    plt.close(fig)
+
+
+def test_plot_head_statistics_rejects_bad_input():
+    from groundup.plotting import plot_head_statistics
+
+    with pytest.raises(ValueError, match="at least one statistic"):
+        plot_head_statistics({})
+    with pytest.raises(ValueError, match=r"same shape, got \{'a': \(2, 2\), 'b': \(2, 3\)\}"):
+        plot_head_statistics({"a": [[1, 2], [3, 4]], "b": [[1, 2, 3], [4, 5, 6]]})
+    with pytest.raises(ValueError, match="same shape"):
+        plot_head_statistics({"a": [1, 2, 3]})
+    with pytest.raises(ValueError, match=r"reference names \['gap'\], which are not among the statistics \['a'\]"):
+        plot_head_statistics({"a": [[1, 2]]}, reference={"gap": 0.2})

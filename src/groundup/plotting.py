@@ -474,6 +474,66 @@ def plot_accuracy_by_position(panels: Mapping[str, Mapping[str, Sequence[Sequenc
     return fig
 
 
+def plot_head_statistics(stats: Mapping[str, object], *, reference: Mapping[str, float] | None = None,
+                         reference_label: str = "even spread", units: Mapping[str, str] | None = None,
+                         decimals: int = 2, title: str = "Attention heads"):
+    """One heat-map per statistic of the attention heads, layers down and heads across, each value written in its
+    cell; panels two to a row, each with its own colour scale and colour bar.
+
+    ``stats[name]`` is an ``(n_layers, n_heads)`` tensor or array; ``name`` is the panel's title. A panel named in
+    ``reference`` (``{name: level}``) is coloured by a red-white-blue scale with white at the level, symmetric about
+    it (red above, blue below), and the level is marked on its colour bar and written in its title as
+    ``reference_label``. ``units[name]`` labels a colour bar. Layers and heads are numbered from 1.
+    """
+    if not stats:
+        raise ValueError("stats must name at least one statistic")
+    values = {name: np.asarray(_as_array(v), dtype=float) for name, v in stats.items()}
+    shapes = {name: v.shape for name, v in values.items()}
+    first = next(iter(shapes.values()))
+    if len(first) != 2 or any(shape != first for shape in shapes.values()):
+        raise ValueError(f"every statistic must be one (n_layers, n_heads) table of the same shape, got {shapes}")
+    unknown = sorted(set(reference or {}) - set(values))
+    if unknown:
+        raise ValueError(f"reference names {unknown}, which are not among the statistics {list(values)}")
+    n_layers, n_heads = first
+    ncols = min(2, len(values))
+    nrows = -(-len(values) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(COLUMN[0], 0.55 * n_layers * nrows + 0.6), squeeze=False,
+                             layout="constrained")
+    for ax, (name, v) in zip(axes.flat, values.items()):
+        level = (reference or {}).get(name)
+        if level is None:
+            cmap = plt.get_cmap("viridis")
+            norm = plt.Normalize(min(0.0, v.min()), v.max() if v.max() > min(0.0, v.min()) else 1.0)
+        else:
+            half = float(np.abs(v - level).max()) or 1.0
+            cmap, norm = plt.get_cmap("RdBu_r"), plt.Normalize(level - half, level + half)
+        image = ax.imshow(v, cmap=cmap, norm=norm, aspect="auto")
+        for i in range(n_layers):
+            for j in range(n_heads):
+                r, g, b, _ = cmap(norm(v[i, j]))
+                ax.text(j, i, f"{v[i, j]:.{decimals}f}", ha="center", va="center", fontsize=8,
+                        color="black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white")
+        ax.set_xticks(range(n_heads), labels=[str(h + 1) for h in range(n_heads)])
+        ax.set_yticks(range(n_layers), labels=[str(layer + 1) for layer in range(n_layers)])
+        ax.set_xlabel("head", fontsize=8)
+        ax.set_ylabel("layer", fontsize=8)
+        ax.tick_params(labelsize=8, length=0)
+        bar = fig.colorbar(image, ax=ax, shrink=0.9)
+        bar.ax.tick_params(labelsize=7)
+        if (units or {}).get(name):
+            bar.set_label(units[name], fontsize=8)
+        if level is not None:
+            bar.ax.set_ylim(min(v.min(), level), max(v.max(), level))  # the scale's span beyond the data is unused
+            bar.ax.axhline(level, color="black", linewidth=1.2)
+            name = f"{name}\n(white: {reference_label}, {level:.{decimals}f})"
+        ax.set_title(name, fontsize=9)
+    for ax in list(axes.flat)[len(values):]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
 # ---- schematic diagrams drawn at run time: data parallelism (ch 11), tensor names (ch 12) -------------------------
 # The look of the stored diagrams of tools/make_diagrams.py (groundup.diagrams): a canvas measured in units of half an
 # inch, DejaVu Sans at 8 pt, Computer Modern maths, rounded boxes filled by kind. These two are drawn when the
