@@ -53,6 +53,8 @@ def test_other_cases_are_f_linear(monkeypatch):
                       (torch.randn(1, 384), torch.randn(64, 384)),  # small: in the cache
                       (torch.randn(1, 384), torch.randn(384, 1536).T)]:  # not contiguous
         assert torch.equal(linear(x, weight), F.linear(x, weight))
+    with pytest.raises(RuntimeError):  # a float64 bias: F.linear's own error, not a silent float64 result
+        linear(torch.randn(1, 384), w, torch.zeros(1536, dtype=torch.float64))
     x, wg = torch.randn(1, 384, requires_grad=True), w.clone().requires_grad_()
     linear(x, wg).sum().backward()  # a recorded gradient: F.linear, exactly as in training
     assert torch.equal(wg.grad, x.detach().expand(1536, 384))

@@ -42,6 +42,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     out_features, in_features = weight.shape
     if (x.numel() != in_features or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or (bias is not None and bias.dtype != torch.float32)
             or weight.numel() < BLOCKED_MIN_ELEMENTS or out_features < BLOCKS * ALIGN
             or x.device.type != "cpu" or weight.device.type != "cpu" or not weight.is_contiguous()
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
