@@ -190,7 +190,8 @@ def test_plot_head_statistics_writes_every_value_and_centres_the_reference_panel
     itself = torch.tensor([[0.13, 0.17, 0.40], [0.05, 0.24, 0.30]])
     gap = np.array([[0.18, 0.20, 0.23], [0.08, 0.36, 0.48]])
     fig = plot_head_statistics({"itself": itself, "latest gap": gap, "distance": [[6.5, 2.65, 2.5], [12.03, 2, 4]]},
-                               reference={"latest gap": 0.21}, units={"distance": "characters"}, title="Heads")
+                               reference={"latest gap": torch.tensor(0.21)}, units={"distance": "characters"},
+                               title="Heads")
     panels = [ax for ax in fig.axes if ax.get_label() != "<colorbar>" and ax.get_visible()]
     assert [ax.get_title() for ax in panels] == ["itself", "latest gap\n(white: even spread, 0.21)", "distance"]
     assert fig.get_suptitle() == "Heads" and len(fig.axes) == 4 + 3  # 2 x 2 panels (one unused) and 3 colour bars
@@ -201,7 +202,8 @@ def test_plot_head_statistics_writes_every_value_and_centres_the_reference_panel
         assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "3"] and ax.get_xlabel() == "head"
         assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "2"] and ax.get_ylabel() == "layer"
     image = panels[1].images[0]
-    assert image.norm(0.21) == 0.5 and image.norm(0.48) == 1.0  # white at the level, symmetric: 0.27 either side
+    # white at the level, symmetric: 0.27 either side
+    assert image.norm(0.21) == pytest.approx(0.5) and image.norm(0.48) == pytest.approx(1.0)
     np.testing.assert_allclose(image.cmap(0.5)[:3], (0.97, 0.97, 0.97), atol=0.02)  # RdBu_r's middle is white
     assert panels[0].images[0].norm.vmin == 0.0 and panels[0].images[0].norm.vmax == np.float32(0.40)
     assert "characters" in [ax.get_ylabel() for ax in fig.axes]

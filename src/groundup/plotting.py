@@ -501,7 +501,7 @@ def plot_head_statistics(stats: Mapping[str, object], *, reference: Mapping[str,
     fig, axes = plt.subplots(nrows, ncols, figsize=(COLUMN[0], 0.55 * n_layers * nrows + 0.6), squeeze=False,
                              layout="constrained")
     for ax, (name, v) in zip(axes.flat, values.items()):
-        level = (reference or {}).get(name)
+        level = float(reference[name]) if name in (reference or {}) else None  # a 0-d tensor too
         if level is None:
             cmap = plt.get_cmap("viridis")
             norm = plt.Normalize(min(0.0, v.min()), v.max() if v.max() > min(0.0, v.min()) else 1.0)
