@@ -4,9 +4,10 @@ Generating text feeds a model one token at a time, so each linear layer multipli
 weight ``W`` (``out_features x in_features``): a matrix-vector product, two flops per entry of ``W``, so
 its speed is the speed at which ``W`` streams in from memory. ``F.linear`` hands it to the BLAS library as a
 matrix product with one row. On some CPUs that call streams ``W`` at about half the memory's speed: on the
-book's 2-core AMD EPYC (Zen 4) machine, with PyTorch's MKL, GPT-2 small's 12 layers took 25-27 ms per
+book's 2-core AMD EPYC (Zen 4) machine, with PyTorch's MKL, GPT-2 small's 12 layers took 24-27 ms per
 token through ``F.linear`` and 15 ms when ``W`` was cut into four blocks of rows and the four products run
-as one batched ``torch.matmul``; its 50,257 x 768 unembedding 12.3 ms against 7.2 ms. Each output is still
+as one batched ``torch.matmul``; its 50,257 x 768 unembedding 12.1-12.3 ms against 6.8-7.2 ms (medians of
+alternated runs, on different days of the same machine). Each output is still
 the dot product of ``x`` with one row of ``W``, and the results were identical bit for bit in every shape
 tried, under MKL's reproducible mode and ATen's portable kernels too (``tests/test_linear.py`` checks it on
 the machine it runs on). Other CPUs may gain nothing; ``python -m groundup.bench versus_transformers``
