@@ -168,6 +168,14 @@ def test_the_report_address_is_pyprojects(capsys, monkeypatch):
 
     urls = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["urls"]
     assert checking._report_url() == urls["Repository"].rstrip("/") + "/issues"
+    import importlib.metadata
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    with monkeypatch.context() as m:  # a clone used without installing: read from its pyproject.toml
+        m.setattr(importlib.metadata, "metadata", not_installed)
+        assert checking._report_url() == urls["Repository"].rstrip("/") + "/issues"
     monkeypatch.setattr(checking, "_report_url", lambda: None)  # installed without metadata: no address at all
     run_checks("Exercise 0.8", functools.partial(operator.getitem, [], 1))
     out = capsys.readouterr().out

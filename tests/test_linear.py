@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from groundup.linear import ALIGN, BLOCKED_MIN_ELEMENTS, BLOCKS, Linear, linear
+from groundup.linear import ALIGN, BLOCKED, BLOCKED_MIN_ELEMENTS, BLOCKS, Linear, linear
+
+pytestmark = pytest.mark.skipif(not BLOCKED, reason="the blocked path is taken only with MKL")
 
 # GPT-2 small, SmolLM2-135M and chapter 7's widths: (out_features, in_features)
 SHAPES = [(2304, 768), (3072, 768), (768, 3072), (50257, 768), (50255, 768), (960, 576), (1536, 576),
@@ -36,13 +38,16 @@ def test_single_row_equals_f_linear_bit_for_bit(shape, lead, monkeypatch):
     assert len(calls) == 2  # the blocked product was used
 
 
-def test_every_width_equals_f_linear_bit_for_bit():
-    """Widths with every remainder modulo BLOCKS * ALIGN: the aligned blocks round like one F.linear call."""
+def test_many_widths_equal_f_linear_bit_for_bit():
+    """55 widths whose remainders modulo BLOCKS * ALIGN spread over 0..127: aligned blocks round like one F.linear."""
     g = torch.Generator().manual_seed(0)
-    for out_f in range(BLOCKS * ALIGN, 1400, 13):
-        w, x = torch.randn(out_f, 384, generator=g), torch.randn(384, generator=g)
-        if w.numel() >= BLOCKED_MIN_ELEMENTS:
-            assert torch.equal(linear(x, w), F.linear(x, w)), out_f
+    widths = [n for n in range(BLOCKS * ALIGN, 1400, 13) if n * 384 >= BLOCKED_MIN_ELEMENTS]
+    assert len(widths) == 55 and len({n % (BLOCKS * ALIGN) for n in widths}) == 55
+    for out_f in widths:
+        w, b, x = (torch.randn(out_f, 384, generator=g), torch.randn(out_f, generator=g),
+                   torch.randn(384, generator=g))
+        assert torch.equal(linear(x, w), F.linear(x, w)), out_f
+        assert torch.equal(linear(x, w, b), F.linear(x, w, b)), out_f
 
 
 def test_other_cases_are_f_linear(monkeypatch):
@@ -53,6 +58,9 @@ def test_other_cases_are_f_linear(monkeypatch):
                       (torch.randn(1, 384), torch.randn(64, 384)),  # small: in the cache
                       (torch.randn(1, 384), torch.randn(384, 1536).T)]:  # not contiguous
         assert torch.equal(linear(x, weight), F.linear(x, weight))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: F.linear's precision
+        x, b = torch.randn(1, 1, 384), torch.randn(1536)
+        assert linear(x, w, b).dtype == torch.bfloat16 and torch.equal(linear(x, w, b), F.linear(x, w, b))
     with pytest.raises(RuntimeError):  # a float64 bias: F.linear's own error, not a silent float64 result
         linear(torch.randn(1, 384), w, torch.zeros(1536, dtype=torch.float64))
     x, wg = torch.randn(1, 384, requires_grad=True), w.clone().requires_grad_()

@@ -45,6 +45,7 @@ from torch import nn
 
 from groundup.attention import FUSABLE
 from groundup.layers import LayerNorm, RMSNorm
+from groundup.linear import Linear
 from groundup.models import GPT
 from groundup.utils import positive_int
 
@@ -593,10 +594,10 @@ def ablate_heads(model: GPT, heads: Iterable[tuple[int, int]], *, mode: str = "z
         yield model
 
 
-class _Unfused(nn.Linear):
-    """An ``nn.Linear`` that attention does not stack with its neighbours into one matmul (it fuses only the
-    types in ``attention.FUSABLE``), so that a hook on it runs. Used by :func:`remove_from_inputs` while its
-    hooks are on."""
+class _Unfused(Linear):
+    """A linear layer that attention does not stack with its neighbours into one matmul (it fuses only the
+    types in ``attention.FUSABLE``, exactly), so that a hook on it runs; it computes as the layer it replaces.
+    Used by :func:`remove_from_inputs` while its hooks are on."""
 
 
 @contextlib.contextmanager

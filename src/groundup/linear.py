@@ -10,12 +10,15 @@ as one batched ``torch.matmul``; its 50,257 x 768 unembedding 12.1-12.3 ms again
 alternated runs, on different days of the same machine). Each output is still
 the dot product of ``x`` with one row of ``W``, and the results were identical bit for bit in every shape
 tried, under MKL's reproducible mode and ATen's portable kernels too (``tests/test_linear.py`` checks it on
-the machine it runs on). Other CPUs may gain nothing; ``python -m groundup.bench versus_transformers``
-measures the whole generation.
+the machine it runs on). That was measured with one BLAS, Intel's MKL (the one PyTorch's x86 builds use), on
+one CPU; another CPU may gain nothing, and another BLAS may round the blocks differently, so the path is taken
+only where PyTorch computes with MKL. ``python -m groundup.bench versus_transformers`` measures the whole
+generation.
 
-:func:`linear` takes that path only where it measured faster and nothing else can change: one row, float32,
-no gradient recorded, a weight of at least ``BLOCKED_MIN_ELEMENTS`` entries (small matrices sit in the
-cache, where the extra call costs more than it saves). Everywhere else it is ``F.linear``. :class:`Linear`
+:func:`linear` takes that path only for one row, in float32 (not under autocast, which would compute in
+another precision), with no gradient recorded, and for a weight of at least ``BLOCKED_MIN_ELEMENTS`` entries
+(small matrices sit in the cache, where the extra call costs more than it saves). Everywhere else it is
+``F.linear``. :class:`Linear`
 is ``nn.Linear`` computing with it; the book's attention and feed-forward layers are made of it.
 """
 
@@ -25,11 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ALIGN", "BLOCKED_MIN_ELEMENTS", "BLOCKS", "Linear", "linear"]
+__all__ = ["ALIGN", "BLOCKED", "BLOCKED_MIN_ELEMENTS", "BLOCKS", "Linear", "linear"]
 
 BLOCKS = 4  # blocks of rows of W (2 to 16 measured alike)
 ALIGN = 32  # each block holds a multiple of this many rows (see linear)
 BLOCKED_MIN_ELEMENTS = 1 << 18  # 262,144 entries (1 MB of float32): below this, F.linear
+BLOCKED = torch.backends.mkl.is_available()  # the BLAS the path was measured and tested with (see above)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,10 +46,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the same code as one ``F.linear`` call does.
     """
     out_features, in_features = weight.shape
-    if (x.numel() != in_features or x.dtype != torch.float32 or weight.dtype != torch.float32
+    if (not BLOCKED or x.numel() != in_features or x.dtype != torch.float32 or weight.dtype != torch.float32
             or (bias is not None and bias.dtype != torch.float32)
             or weight.numel() < BLOCKED_MIN_ELEMENTS or out_features < BLOCKS * ALIGN
             or x.device.type != "cpu" or weight.device.type != "cpu" or not weight.is_contiguous()
+            or torch.is_autocast_enabled("cpu")
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad)))):
         return F.linear(x, weight, bias)

@@ -405,18 +405,26 @@ class Verdict:
 
 
 def _report_url() -> str | None:
-    """The issues page of the repository named in the package's metadata (``[project.urls]`` in pyproject.toml,
-    the one place the address is kept), or None when the package is not installed with its metadata."""
+    """The issues page of the repository named in ``[project.urls]`` of pyproject.toml (the one place the address
+    is kept): from the installed package's metadata, or from the pyproject.toml of the source tree this file is
+    in (a clone used without installing); None when neither names it."""
     try:
         from importlib.metadata import metadata
 
-        for entry in metadata("groundup").get_all("Project-URL") or []:
-            label, _, url = entry.partition(",")
-            if label.strip().lower() == "repository":
-                return url.strip().rstrip("/") + "/issues"
-    except Exception:  # noqa: BLE001 -- the message then names no address
-        pass
-    return None
+        entries = [e.partition(",") for e in metadata("groundup").get_all("Project-URL") or []]
+        urls = {label.strip().lower(): url.strip() for label, _, url in entries}
+    except Exception:  # noqa: BLE001 -- not installed: try the source tree
+        try:
+            import tomllib
+            from pathlib import Path
+
+            project = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())["project"]
+            urls = {k.lower(): v for k, v in project.get("urls", {}).items()} if project.get("name") == "groundup" \
+                else {}
+        except Exception:  # noqa: BLE001 -- the message then names no address
+            urls = {}
+    url = urls.get("repository")
+    return url.rstrip("/") + "/issues" if isinstance(url, str) and url else None
 
 
 def _say(text: str, indent: str = "   ", first: str = "") -> None:
