@@ -1,25 +1,23 @@
 """The linear layer ``y = x W^T + b``, and a faster way to compute it for a single row (a decode step).
 
-Generating text feeds a model one token at a time, so each linear layer multiplies one row ``x`` by its
-weight ``W`` (``out_features x in_features``): a matrix-vector product, two flops per entry of ``W``, so
-its speed is the speed at which ``W`` streams in from memory. ``F.linear`` hands it to the BLAS library as a
-matrix product with one row. On some CPUs that call streams ``W`` at about half the memory's speed: on the
-book's 2-core AMD EPYC (Zen 4) machine, with PyTorch's MKL, GPT-2 small's 12 layers took 24-27 ms per
-token through ``F.linear`` and 15 ms when ``W`` was cut into four blocks of rows and the four products run
-as one batched ``torch.matmul``; its 50,257 x 768 unembedding 12.1-12.3 ms against 6.8-7.2 ms (medians of
-alternated runs, on different days of the same machine). Each output is still
-the dot product of ``x`` with one row of ``W``, and the results were identical bit for bit in every shape
-tried, under MKL's reproducible mode and ATen's portable kernels too (``tests/test_linear.py`` checks it on
-the machine it runs on). That was measured with one BLAS, Intel's MKL (the one PyTorch's x86 builds use), on
-one CPU; another CPU may gain nothing, and another BLAS may round the blocks differently, so the path is taken
-only where PyTorch computes with MKL. ``python -m groundup.bench versus_transformers`` measures the whole
-generation.
+Generating text feeds a model one token at a time, so each linear layer multiplies one row ``x`` by its weight
+``W`` (``out_features x in_features``): a matrix-vector product, two flops per entry of ``W``, so its speed is
+the speed at which ``W`` streams in from memory. ``F.linear`` hands it to the BLAS library as a matrix product
+with one row. On some CPUs that call streams ``W`` at about half the memory's speed: on the book's 2-core AMD
+EPYC (Zen 4) machine, with PyTorch's MKL, GPT-2 small's 12 layers took 24-27 ms per token through ``F.linear``
+and 15 ms when ``W`` was cut into four blocks of rows and the four products run as one batched ``torch.matmul``;
+its 50,257 x 768 unembedding 12.1-12.3 ms against 6.8-7.2 ms (medians of alternated runs at two times of
+the same machine). Each output is still the dot product of ``x`` with one row of ``W``, and the results were
+identical bit for bit in every shape tried, under MKL's reproducible mode and ATen's portable kernels too
+(``tests/test_linear.py`` checks it on the machine it runs on). That was measured with one BLAS, Intel's MKL
+(the one PyTorch's x86 builds use), on one CPU; another CPU may gain nothing, and another BLAS may round the
+blocks differently, so the path is taken only where PyTorch computes with MKL. ``python -m groundup.bench
+versus_transformers`` measures the whole generation.
 
-:func:`linear` takes that path only for one row, in float32 (not under autocast, which would compute in
-another precision), with no gradient recorded, and for a weight of at least ``BLOCKED_MIN_ELEMENTS`` entries
-(small matrices sit in the cache, where the extra call costs more than it saves). Everywhere else it is
-``F.linear``. :class:`Linear`
-is ``nn.Linear`` computing with it; the book's attention and feed-forward layers are made of it.
+:func:`linear` takes that path only for one row, in float32 (not under autocast, which would compute in another
+precision), with no gradient recorded, and for a weight of at least ``BLOCKED_MIN_ELEMENTS`` entries (small
+matrices sit in the cache, where the extra call costs more than it saves). Everywhere else it is ``F.linear``.
+:class:`Linear` is ``nn.Linear`` computing with it; the book's attention and feed-forward layers are made of it.
 """
 
 from __future__ import annotations
