@@ -6,8 +6,8 @@ the speed at which ``W`` streams in from memory. ``F.linear`` hands it to the BL
 with one row. On some CPUs that call streams ``W`` at about half the memory's speed: on the book's 2-core AMD
 EPYC (Zen 4) machine, with PyTorch's MKL, GPT-2 small's 12 layers took 24-27 ms per token through ``F.linear``
 and 15 ms when ``W`` was cut into four blocks of rows and the four products run as one batched ``torch.matmul``;
-its 50,257 x 768 unembedding 12.1-12.3 ms against 6.8-7.2 ms (medians of alternated runs at two times of
-the same machine). Each output is still the dot product of ``x`` with one row of ``W``, and the results were
+its 50,257 x 768 unembedding 12.1-12.3 ms against 6.8-7.2 ms (medians of alternated runs at two times
+on the same day). Each output is still the dot product of ``x`` with one row of ``W``, and the results were
 identical bit for bit in every shape tried, under MKL's reproducible mode and ATen's portable kernels too
 (``tests/test_linear.py`` checks it on the machine it runs on). That was measured with one BLAS, Intel's MKL
 (the one PyTorch's x86 builds use), on one CPU; another CPU may gain nothing, and another BLAS may round the
