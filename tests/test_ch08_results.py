@@ -20,32 +20,19 @@ from groundup.tokenizers import CharTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import ch08_results  # noqa: E402
+import notebook_cells as cells  # noqa: E402
 
 NOTEBOOK = ROOT / "notebooks" / "08_generation.ipynb"
 STORED = json.loads(resources.files("groundup").joinpath("results/chapter08.json").read_text(encoding="utf-8"))
 ENTRY = STORED["runs"]["decoding-sweep"]
 
 
-def notebook_cell(marker: str) -> ast.Module:
-    """The parsed source of the notebook's code cell that contains ``marker``."""
-    cells = json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"]
-    found = [c for c in cells if c["cell_type"] == "code" and marker in "".join(c["source"])]
-    assert len(found) == 1, f"{len(found)} code cells contain {marker!r}"
-    return ast.parse("".join(found[0]["source"]))
+def notebook_cell(marker: str):
+    return cells.notebook_cell(NOTEBOOK, marker)
 
 
 def notebook_definitions(marker: str, names: set[str], env: dict) -> dict:
-    """Run only the top-level definitions ``names`` (functions and assignments) of that cell in ``env``."""
-    def defines(node):
-        if isinstance(node, ast.FunctionDef):
-            return {node.name}
-        if isinstance(node, ast.Assign):
-            return {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-        return set()
-
-    keep = [node for node in notebook_cell(marker).body if defines(node) & names]
-    exec(compile(ast.Module(body=keep, type_ignores=[]), str(NOTEBOOK), "exec"), env)  # noqa: S102
-    return env
+    return cells.notebook_definitions(NOTEBOOK, marker, names, env)
 
 
 SWEEP = notebook_definitions("def distinct_bigrams", {"SETTINGS", "N_SAMPLES", "N_NEW", "SEEDS", "distinct_bigrams",

@@ -1,7 +1,6 @@
 """tools/ch09_results.py's ``--entry masking-variants`` (chapter 9's seed-0 runs of the 80/10/10 experiment) against
 the notebook's own definitions, and the entry it stored in chapter09.json."""
 
-import ast
 import dataclasses
 import json
 import sys
@@ -18,6 +17,7 @@ from groundup.training import TrainConfig, train
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import ch09_results  # noqa: E402
+import notebook_cells as cells  # noqa: E402
 
 NOTEBOOK = ROOT / "notebooks" / "09_masked_language_models.ipynb"
 STORED = json.loads(resources.files("groundup").joinpath("results/chapter09.json").read_text(encoding="utf-8"))
@@ -26,22 +26,7 @@ N_V = 84  # the Shakespeare corpus's characters (the notebook prints it)
 
 
 def notebook_definitions(marker: str, names: set[str], env: dict) -> dict:
-    """Run only the top-level definitions ``names`` (functions and assignments) of the code cell containing
-    ``marker`` in ``env``."""
-    cells = json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"]
-    found = [c for c in cells if c["cell_type"] == "code" and marker in "".join(c["source"])]
-    assert len(found) == 1, f"{len(found)} code cells contain {marker!r}"
-
-    def defines(node):
-        if isinstance(node, ast.FunctionDef):
-            return {node.name}
-        if isinstance(node, ast.Assign):
-            return {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-        return set()
-
-    keep = [node for node in ast.parse("".join(found[0]["source"])).body if defines(node) & names]
-    exec(compile(ast.Module(body=keep, type_ignores=[]), str(NOTEBOOK), "exec"), env)  # noqa: S102
-    return env
+    return cells.notebook_definitions(NOTEBOOK, marker, names, env)
 
 
 SETUP = notebook_definitions("mlm_config = MaskedLMConfig", {"mlm_config", "mlm_training"},
