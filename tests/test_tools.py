@@ -2,6 +2,7 @@
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -504,3 +505,16 @@ def test_a_solution_that_draws_is_not_folded_as_figure_code():
     cell = figure_cell(10, 0)
     cell["source"] = "# Solution (hidden in the book until clicked)\n" + cell["source"]
     assert not sync_notebooks.is_figure_code(cell)
+
+
+def test_results_tools_restart_on_the_notebooks_arithmetic(tmp_path):
+    assert results_file.NOTEBOOK_ARITHMETIC == {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}
+    script = tmp_path / "tool.py"
+    script.write_text("import os, sys\nsys.path.insert(0, sys.argv[1])\n"
+                      "from results_file import on_notebook_arithmetic\non_notebook_arithmetic()\n"
+                      "print(os.environ['MKL_CBWR'], os.environ['ATEN_CPU_CAPABILITY'], sys.argv[2:])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY")}
+    env["ATEN_CPU_CAPABILITY"] = "avx2"  # one set otherwise, one unset: both end as the notebooks have them
+    out = subprocess.run([sys.executable, str(script), str(ROOT / "tools"), "--entry", "x"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert out == "COMPATIBLE default ['--entry', 'x']\n"

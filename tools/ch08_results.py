@@ -26,21 +26,17 @@ is not reproducible). Running the command again replaces it.
 from __future__ import annotations
 
 import math
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ARITHMETIC = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}  # tools/nbval_lanes.py's REPRODUCIBLE
+from results_file import add_entry, machine, on_notebook_arithmetic
 
-if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in ARITHMETIC.items()):
-    # read when torch loads: start again with them set
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ARITHMETIC})
+if __name__ == "__main__":
+    on_notebook_arithmetic()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from results_file import add_entry, machine  # noqa: E402
 
 import groundup  # noqa: E402
 from groundup.generation import generate  # noqa: E402
