@@ -1,6 +1,6 @@
 # Transformers from the Ground Up: the commands (see README.md).
 #   make book   build the book's HTML from the stored notebook outputs (offline)
-#   make test   ruff, unit tests, every notebook under nbval, the book build and its browser checks
+#   make test   ruff, unit tests and every notebook under nbval (two lanes), the book build and its browser checks
 #   make lab    JupyterLab on notebooks/          make bench   the performance figures
 # Every target sets up .venv first (idempotent): torch==2.13.0, then requirements.lock, then groundup.
 #   make setup PYTHON=python3.12             the interpreter .venv is made from (Python 3.11.5 or newer)
@@ -27,7 +27,7 @@ ifneq ($(wildcard $(SHARED_DATA)/tinyshakespeare.txt),)
 export GROUNDUP_DATA_DIR ?= $(SHARED_DATA)
 endif
 
-.PHONY: setup python-version data book test lint unit notebooks book-check bench bench-quality lab clean
+.PHONY: setup python-version data book test lint unit notebooks checks book-check bench bench-quality lab clean
 
 setup: $(STAMP)
 
@@ -76,7 +76,14 @@ notebooks: data
 book-check: book
 	$(PY) -m pytest tests/book -q -rs
 
-test: lint unit notebooks book-check
+# The unit tests and every notebook in one two-lane run (tools/nbval_lanes.py): on a fresh machine chapter 7's model
+# trains on one core while the unit tests run on the other, then both cores share the notebooks.
+checks: data
+	$(PY) tools/nbval_lanes.py --lanes $(NBVAL_LANES) --unit "tests --ignore=tests/book -q" -- --nbval \
+		--nbval-current-env --nbval-sanitize-with sanitize.cfg --nbval-cell-timeout=$(NBVAL_TIMEOUT) --durations=15 \
+		-p no:cacheprovider
+
+test: lint checks book-check
 
 bench: setup
 	$(PY) -m groundup.bench

@@ -266,52 +266,85 @@ def test_nbval_lanes_keep_the_chapter7_models_notebooks_together_and_in_order(tm
     assert "07_training.ipynb" in [p.name for p in real_first] and real_rest
 
 
-def test_nbval_lanes_report_the_first_failing_lane(tmp_path, monkeypatch, capsys):
+def test_nbval_lanes_report_the_first_failing_job(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
+    monkeypatch.setattr(nbval_lanes, "train_model_command", lambda: [sys.executable, "-c", "pass"])
     (tmp_path / "07_a.ipynb").write_text("chapter7_model")
     (tmp_path / "01_b.ipynb").write_text("{}")
-    # pytest on a file that is not a test module and a missing option: both lanes fail, the status says so
+    # pytest on a file that is not a test module and a missing option: both notebooks fail, the status says so
     status = nbval_lanes.main(["--", "--no-such-option"])
     out = capsys.readouterr().out
     assert status != 0
-    assert "lane 1: 07_a.ipynb" in out and "lane 2: 01_b.ipynb" in out and "lane 1: ended" in out
-    assert out.count("----- exit 4 after") == 2, "each lane's pytest reports its usage error"
+    assert "jobs, in the order the lanes take them: the chapter 7 model; 01_b.ipynb; 07_a.ipynb" in out
+    assert "the chapter 7 model: exit 0 after" in out
+    assert out.count(": exit 4 after") == 2, "each notebook's pytest reports its usage error"
 
 
+class _Recorder:
+    """A stand-in for subprocess.Popen: records starts and ends in ``events``; ``times`` and ``codes`` by name."""
 
-def test_nbval_lanes_start_the_models_other_notebooks_only_after_chapter7_and_share_them(tmp_path, monkeypatch,
-                                                                                          capsys):
+    events, lock, times, codes = [], threading.Lock(), {}, {}
+
+    def __init__(self, command, **kwargs):
+        self.name = next((Path(a).name for a in command if a.endswith(".ipynb")),
+                         "model" if "chapter7_model" in " ".join(command) else "unit")
+        self.env = kwargs.get("env")
+        with self.lock:
+            self.events.append(("start", self.name))
+
+    def wait(self):
+        time.sleep(self.times.get(self.name, 0.01))
+        with self.lock:
+            self.events.append(("end", self.name))
+        return self.codes.get(self.name, 0)
+
+    def poll(self):
+        return 0
+
+
+def test_nbval_lanes_train_the_model_beside_the_unit_tests_and_share_the_notebooks(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
     for name in ("07_a", "08_b", "09_c", "12_d"):
         (tmp_path / f"{name}.ipynb").write_text("chapter7_model")
     for name in ("01_e", "02_f"):
         (tmp_path / f"{name}.ipynb").write_text("{}")
-    events, lock = [], threading.Lock()
+    recorder = type("R", (_Recorder,), {"events": [], "times": {"model": 0.3, "unit": 0.1}, "codes": {"09_c.ipynb": 3}})
+    monkeypatch.setattr(nbval_lanes.subprocess, "Popen", recorder)
+    assert nbval_lanes.main(["--unit", "tests -q -n 0", "--", "-q"]) == 3, "a failing notebook's status is the run's"
+    events = recorder.events
+    starts = [name for kind, name in events if kind == "start"]
+    assert starts[:2] == ["model", "unit"], "lane 1 trains while lane 2 runs the unit tests"
+    assert sorted(starts) == sorted(["model", "unit", "01_e.ipynb", "02_f.ipynb", "07_a.ipynb", "08_b.ipynb",
+                                     "09_c.ipynb", "12_d.ipynb"]), "each job runs once"
+    trained = events.index(("end", "model"))
+    for name in ("07_a.ipynb", "08_b.ipynb", "09_c.ipynb", "12_d.ipynb"):
+        assert events.index(("start", name)) > trained, f"{name} started before the model was trained"
+    for name in ("01_e.ipynb", "02_f.ipynb"):  # the unit tests' lane goes on while the model trains
+        assert events.index(("start", name)) < trained
+    out = capsys.readouterr().out
+    assert "jobs, in the order the lanes take them: the chapter 7 model; unit tests; 01_e.ipynb" in out
 
-    class Recorder:
-        def __init__(self, command, **kwargs):
-            self.names = tuple(Path(a).name for a in command if a.endswith(".ipynb"))
-            with lock:
-                events.append(("start", self.names))
 
-        def wait(self):
-            time.sleep(0.2 if self.names == ("07_a.ipynb",) else 0.01)  # chapter 7 is the long one
-            with lock:
-                events.append(("end", self.names))
-            return 3 if self.names == ("09_c.ipynb",) else 0
+def test_nbval_lanes_start_no_model_notebook_when_the_model_failed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
+    (tmp_path / "07_a.ipynb").write_text("chapter7_model")
+    (tmp_path / "01_b.ipynb").write_text("{}")
+    recorder = type("R", (_Recorder,), {"events": [], "times": {}, "codes": {"model": 1}})
+    monkeypatch.setattr(nbval_lanes.subprocess, "Popen", recorder)
+    assert nbval_lanes.main(["--", "-q"]) == 1
+    assert ("start", "07_a.ipynb") not in recorder.events and ("start", "01_b.ipynb") in recorder.events
+    assert "07_a.ipynb: not started, because the chapter 7 model failed" in capsys.readouterr().out
 
-        def poll(self):
-            return 0
 
-    monkeypatch.setattr(nbval_lanes.subprocess, "Popen", Recorder)
-    assert nbval_lanes.main(["--", "-q"]) == 3, "a failing notebook's status is the run's"
-    starts = [names for kind, names in events if kind == "start"]
-    assert sorted(starts) == sorted([("07_a.ipynb",), ("01_e.ipynb", "02_f.ipynb"), ("08_b.ipynb",),
-                                     ("09_c.ipynb",), ("12_d.ipynb",)]), "each notebook runs once"
-    trained = events.index(("end", ("07_a.ipynb",)))
-    for name in ("08_b.ipynb", "09_c.ipynb", "12_d.ipynb"):
-        assert events.index(("start", (name,))) > trained, f"{name} started before chapter 7 had ended"
-    assert "then whichever lane is free: 08_b.ipynb 09_c.ipynb 12_d.ipynb" in capsys.readouterr().out
+def test_nbval_lanes_run_the_unit_tests_in_the_callers_arithmetic(tmp_path, monkeypatch):
+    monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
+    (tmp_path / "01_b.ipynb").write_text("{}")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    jobs = {j.name: j for j in nbval_lanes.jobs_for([tmp_path / "01_b.ipynb"], ["-q"], ["tests", "-q"])}
+    assert set(jobs) == {"unit tests", "01_b.ipynb"}, "no model job without a notebook that needs it"
+    assert jobs["unit tests"].env["ATEN_CPU_CAPABILITY"] == "avx2"  # the package is tested on the fastest kernels
+    assert jobs["01_b.ipynb"].env["ATEN_CPU_CAPABILITY"] == "default"
+    assert jobs["unit tests"].command[-3:] == ["pytest", "tests", "-q"]
 
 
 def test_nbval_lanes_run_only_the_notebooks_named(tmp_path, monkeypatch, capsys):
@@ -346,29 +379,37 @@ def test_nbval_lanes_run_with_passive_openmp_threads(tmp_path, monkeypatch, caps
 
     monkeypatch.setattr(nbval_lanes.subprocess, "Popen", Recorder)
     assert nbval_lanes.main(["--", "-q"]) == 0
-    assert seen == ["PASSIVE", "PASSIVE"]
+    assert seen == ["PASSIVE"] * 3  # the model, then both notebooks
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # a policy the caller chose is kept
     seen.clear()
     assert nbval_lanes.main(["--", "-q"]) == 0
-    assert seen == ["ACTIVE", "ACTIVE"]
+    assert seen == ["ACTIVE"] * 3
+
 
 def test_notebooks_run_on_one_arithmetic_for_every_cpu(tmp_path, monkeypatch):
-    for name in ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS"):
+    expected = dict(nbval_lanes.REPRODUCIBLE)
+    assert expected["MKL_CBWR"] == "COMPATIBLE" and expected["ATEN_CPU_CAPABILITY"] == "default"
+    assert expected["ONEDNN_MAX_CPU_ISA"] == "SSE41" and expected["OMP_NUM_THREADS"] == "2"
+    for name in [*expected, *nbval_lanes.UNSET]:
         monkeypatch.delenv(name, raising=False)
-    expected = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "2"}
     assert {k: nbval_lanes.notebook_env()[k] for k in expected} == expected
     # the stored outputs were made on this arithmetic: a caller's other choice would print other numbers
     monkeypatch.setenv("MKL_CBWR", "AVX2")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.check=3")
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    monkeypatch.setenv("NPY_ENABLE_CPU_FEATURES", "X86_V3")  # NumPy refuses it beside NPY_DISABLE_CPU_FEATURES
     env = nbval_lanes.notebook_env(OMP_WAIT_POLICY="PASSIVE")
     assert {k: env[k] for k in expected} == expected and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "NPY_ENABLE_CPU_FEATURES" not in env
+    assert nbval_lanes.notebook_env(environ={"MKL_CBWR": "AUTO", "HOME": "/x"})["MKL_CBWR"] == "COMPATIBLE"
     monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
     (tmp_path / "01_b.ipynb").write_text("{}")
     seen = []
     monkeypatch.setattr(nbval_lanes.subprocess, "call", lambda command, *, cwd, env: seen.append(env) or 0)
     assert nbval_lanes.main(["--lanes", "1", "--", "-q"]) == 0
-    assert {k: seen[0][k] for k in expected} == expected
+    assert {k: seen[0][k] for k in expected} == expected and "NPY_ENABLE_CPU_FEATURES" not in seen[0]
 
 
 NANOGPT_STANDIN = '''
@@ -508,13 +549,16 @@ def test_a_solution_that_draws_is_not_folded_as_figure_code():
 
 
 def test_results_tools_restart_on_the_notebooks_arithmetic(tmp_path):
-    assert results_file.NOTEBOOK_ARITHMETIC == {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}
+    assert results_file.NOTEBOOK_ARITHMETIC == nbval_lanes.ARITHMETIC
+    assert "OMP_NUM_THREADS" not in results_file.NOTEBOOK_ARITHMETIC  # a tool sets its own threads
     script = tmp_path / "tool.py"
     script.write_text("import os, sys\nsys.path.insert(0, sys.argv[1])\n"
                       "from results_file import on_notebook_arithmetic\non_notebook_arithmetic()\n"
-                      "print(os.environ['MKL_CBWR'], os.environ['ATEN_CPU_CAPABILITY'], sys.argv[2:])\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY")}
-    env["ATEN_CPU_CAPABILITY"] = "avx2"  # one set otherwise, one unset: both end as the notebooks have them
+                      "print(os.environ['MKL_CBWR'], os.environ['ATEN_CPU_CAPABILITY'], os.environ['ONEDNN_MAX_CPU_ISA'],"
+                      " 'NPY_ENABLE_CPU_FEATURES' in os.environ, sys.argv[2:])\n")
+    env = {k: v for k, v in os.environ.items() if k not in nbval_lanes.REPRODUCIBLE}
+    env["ATEN_CPU_CAPABILITY"] = "avx2"  # one set otherwise, the others unset: all end as the notebooks have them
+    env["NPY_ENABLE_CPU_FEATURES"] = "X86_V3"  # removed
     out = subprocess.run([sys.executable, str(script), str(ROOT / "tools"), "--entry", "x"], env=env,
                          capture_output=True, text=True, check=True).stdout
-    assert out == "COMPATIBLE default ['--entry', 'x']\n"
+    assert out == "COMPATIBLE default SSE41 False ['--entry', 'x']\n"

@@ -18,9 +18,9 @@ The entry ``runs["decoding-sweep"]`` keeps, per setting, one row ``[diversity, r
 per seed (the floats exactly as computed: JSON writes a float so that it reads back the same), and seed 0's
 token ids (prompt included, ``N_SAMPLES`` rows), which the chapter decodes and judges. It is exactly what the
 notebook's cell computed before it loaded this file: the same calls, on the same arithmetic the notebooks run
-on (MKL's reproducible code path, PyTorch's plain x86-64 kernels, set here if the shell did not) and on one
-thread, as the notebook sets. The entry records the command, the machine and its wall time (the one number that
-is not reproducible). Running the command again replaces it.
+on (``nbval_lanes.ARITHMETIC``: every library that picks code for the CPU capped; set here if the shell did not)
+and on one thread, as the notebook sets. The entry records the command, the machine and its wall time (the one
+number that is not reproducible). Running the command again replaces it.
 """
 
 from __future__ import annotations
@@ -153,8 +153,9 @@ def main() -> None:
     add_entry(OUT, KEY, entry, header={
         "about": ("Chapter 8's decoding-settings sweep on chapter 7's model; see tools/ch08_results.py's docstring "
                   "for what is measured. Made by the command each entry names."),
-        "arithmetic": ("MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default, one thread: the arithmetic the notebooks "
-                       "run on, so every x86-64 CPU computes these numbers alike")})
+        "arithmetic": ("tools/nbval_lanes.py's ARITHMETIC (ATen, MKL, oneDNN, glibc's libm and NumPy capped), "
+                       "one thread: the arithmetic the notebooks run on, so every x86-64 CPU computes these numbers "
+                       "alike")})
     print(f"{KEY}: {entry['wall_seconds']} s, stored in {OUT}")
     for name, rows in entry["results"].items():
         print(f"{name:<18}", [[round(x, 4) for x in row] for row in rows])

@@ -20,9 +20,9 @@ made it; running a command again replaces its entry.
 
 ``--entry masking-variants`` stores ``runs["masking-variants/seed0"]``: the three seed-0 runs the notebook's 80/10/10
 experiment shows (80/10/10, 80/20 unchanged, 80/20 random; 600 steps), made exactly as the notebook's cell made them
-before it loaded this entry: the same calls, on the notebooks' arithmetic (MKL's reproducible code path and PyTorch's
-plain x86-64 kernels, set here if the shell did not: the script starts itself again with them) and on one thread,
-as the notebook sets. Its probe accuracies are kept unrounded (JSON reads a float back exactly), so the notebook
+before it loaded this entry: the same calls, on the notebooks' arithmetic (``nbval_lanes.ARITHMETIC``: every library
+that picks code for the CPU capped, set here if the shell did not: the script starts itself again with it) and on one
+thread, as the notebook sets. Its probe accuracies are kept unrounded (JSON reads a float back exactly), so the notebook
 prints what it printed when it trained them live. The other entries were made on another CPU's kernels.
 """
 

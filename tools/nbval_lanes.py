@@ -1,19 +1,26 @@
-"""Run the notebooks under nbval in two lanes at once, so that both cores of a small machine stay busy.
+"""Run the notebooks under nbval, and the unit tests, in two lanes at once, so that both cores of a small machine
+stay busy.
 
-    python tools/nbval_lanes.py [--lanes 1|2] -- PYTEST-ARGS... [NOTEBOOK.ipynb ...]
+    python tools/nbval_lanes.py [--lanes 1|2] [--unit "PYTEST-ARGS"] -- PYTEST-ARGS... [NOTEBOOK.ipynb ...]
 
 With notebooks named after ``--``, only those run (in the same environment); without, every chapter does.
+``--unit`` also runs ``python -m pytest`` with those arguments (the unit tests), in the caller's environment.
 
-Chapter 7 trains the chapter 7 model and caches it; the later notebooks that load it (their source mentions
-``chapter7_model``) must start only after chapter 7 has ended, or each would train the model again. So lane 1
-starts with chapter 7 (the first notebook, in name order, that mentions the model) while lane 2 runs every notebook
-that does not need the model, in one pytest process. When chapter 7 has ended, each lane takes the model's other
-notebooks one at a time from a shared queue (name order) as it becomes free: neither core idles while the other
-works through a list fixed in advance (chapter 7 alone takes longer than all the notebooks without the model).
-Each notebook, or group, is one pytest process (``python -m pytest PYTEST-ARGS... NOTEBOOKS``); a lane's output
-goes to a file and is printed in full when the lane ends, so the two logs never interleave. The exit status is the
-first non-zero status of the lanes' processes (0 when all pass). ``--lanes 1`` runs all notebooks in a single
-pytest process with its output streamed as usual.
+The notebooks that mention ``chapter7_model`` (chapters 7, 8, 9, 12, 13, 14) need chapter 7's trained GPT, which
+:func:`groundup.training.chapter7_model` trains once (about 6.5 minutes on one thread, under the checked arithmetic
+below) and caches; started before it is cached, each would train it again. So the work is a list of jobs taken by
+two lanes, each lane taking the first job it may start whenever it is free:
+
+1. the chapter 7 model (one thread; a second or two when it is cached already);
+2. the unit tests (``--unit``), one pytest process on the other core;
+3. each notebook that does not need the model, one pytest process each (name order);
+4. each notebook that needs it, once job 1 has succeeded (name order).
+
+On a fresh machine lane 1 trains while lane 2 runs the unit tests, and then both share the notebooks: neither core
+idles while the other works through a list fixed in advance. If the model cannot be trained, its notebooks are not
+started (each would try again for minutes) and the run fails. A job's output goes to a file and is printed in full
+when it ends, so two logs never interleave; the exit status is the first non-zero status of the jobs (0 when all
+pass). ``--lanes 1`` runs the unit tests and then all notebooks in a single pytest process, its output streamed.
 
 Two lanes run with ``OMP_WAIT_POLICY=PASSIVE`` (unless it is set already): PyTorch's OpenMP threads then sleep
 when they run out of work instead of spinning. With two lanes of two-thread kernels on two cores, spinning threads
@@ -21,50 +28,95 @@ steal the cores from each other's work: a loop of small tensor operations (chapt
 Adam) measured about 60x slower than alone, and about as fast as alone with the passive policy. The policy does
 not change how work is split among threads, so every printed number stays what the stored outputs show.
 
-Every notebook runs on one arithmetic that every x86-64 CPU performs alike (:data:`REPRODUCIBLE`, which overrides
-the caller's environment; ``tools/run_notebook.py`` uses the same when it stores outputs), because a training run
-amplifies a difference in the last bit of one operation into different printed losses a few hundred steps later:
-- ``MKL_CBWR=COMPATIBLE``: PyTorch's float32 matrix products go through Intel MKL, which picks a kernel for the CPU
-  it finds, and the kernels add up in different orders (without this setting, chapter 7's 60-step loop printed
-  other losses in the third decimal on an AMD EPYC than on the machine its outputs were made on). MKL's conditional
-  numerical reproducibility mode takes one code path on every x86-64 CPU, at about half the matmul throughput.
-- ``ATEN_CPU_CAPABILITY=default``: PyTorch's own kernels come in versions for AVX-512, AVX2 and plain x86-64, and
-  they differ in the last bits. Measured here on one forward and backward pass of chapter 10's encoder-decoder: the
-  sinusoidal embedding (sin, cos, exp) differs between the plain and the vectorised kernels by up to 1.6e-6, a
-  layer norm's output between AVX2 and AVX-512 by up to 4.8e-7; chapter 10's 400 training steps then end at other
-  losses (final 0.0018 vs the stored 0.0021) and another greedy output. The plain x86-64 kernels run on every CPU.
-- ``OMP_NUM_THREADS=2``: how a reduction is split among threads changes its sums too, so the number of threads is
-  fixed rather than taken from the machine's core count (training cells use one thread, ``groundup.utils.threads``).
-The package, the benchmarks and the unit tests run on the machine's fastest kernels; only the checked notebook runs
-pay for this.
+Every notebook runs on one arithmetic that every x86-64 CPU the book runs on performs alike (:data:`REPRODUCIBLE`,
+which overrides the caller's environment; ``tools/run_notebook.py`` and the results tools use the same), because a
+training run amplifies a difference in the last bit of one operation into different printed losses a few hundred
+steps later. The floor is x86-64-v2 (SSE4.2): the book's pinned NumPy (2.4) is built for it and does not import on an
+older CPU, so every machine that runs the notebooks has SSE4.1 and SSE4.2. Library by library, the code in the
+notebooks' path that picks instructions for the CPU it finds at run time, and how each is held to one choice:
+
+- PyTorch's own kernels (ATen) come in versions for AVX-512, AVX2 and plain x86-64 that differ in the last bits
+  (chapter 10's sinusoidal embedding by up to 1.6e-6 between plain and vectorised; a layer norm by 4.8e-7 between
+  AVX2 and AVX-512; then other losses and another greedy output after 400 steps). ``ATEN_CPU_CAPABILITY=default``
+  takes the plain versions, compiled for the wheel's baseline, which every CPU that runs PyTorch has.
+- Intel MKL does PyTorch's float32 matrix products, with a kernel per CPU, and the kernels add up in different
+  orders (chapter 7's 60-step loop printed other losses in the third decimal on an AMD EPYC). ``MKL_CBWR=COMPATIBLE``
+  is MKL's conditional numerical reproducibility mode: one SSE2 code path on Intel and AMD CPUs alike, at about half
+  the throughput. ``MKL_ENABLE_INSTRUCTIONS=SSE4_2`` caps MKL's other dispatch (its vector-math functions included)
+  at x86-64-v2 in case a function is outside that mode; ``MKL_NUM_THREADS`` and ``MKL_DYNAMIC=FALSE`` fix its
+  threads, because the mode's results hold for one thread count (and PyTorch sizes its OpenMP pool from MKL's).
+- oneDNN computes PyTorch's float32 GELU, forward and backward (``ONEDNN_VERBOSE=1`` shows ``eltwise_gelu_erf``, and
+  nothing else of chapter 7's training step), with code generated at run time for the best instruction set it finds:
+  AVX-512 and AVX2 polynomials round differently (on a Zen 3 CPU, 42 cells of chapters 7-14 failed against outputs
+  stored on a Zen 4). ``ONEDNN_MAX_CPU_ISA=SSE41`` caps it at its lowest level, SSE4.1, which x86-64-v2 includes
+  (``DNNL_MAX_CPU_ISA``, the older name, is set alike); ``ONEDNN_DEFAULT_FPMATH_MODE=STRICT`` keeps float32 in
+  float32 (a caller's ``BF16`` would let it compute in bfloat16). The generated code then uses the same SSE4.1
+  instructions on every CPU. ONEDNN_VERBOSE and the canary show no other oneDNN primitive in the notebooks' path.
+- glibc's libm picks variants of expf, logf, powf, sinf, cosf, sin, cos, tan, atan, expm1, log2, exp2f and fma for
+  CPUs with FMA, FMA4 or AVX2 (its ``ifunc`` resolvers; the resolved addresses change with the setting below), and
+  NumPy's float64 exp on such a CPU differs from the plain one. ``GLIBC_TUNABLES=glibc.cpu.hwcaps=-AVX,-AVX2,-FMA,
+  -FMA4,-AVX512F,-SSE4_1`` makes libm see a plain x86-64 CPU, so every CPU runs its SSE2 versions. (The caller's
+  other glibc tunables are dropped for the checked run.)
+- NumPy dispatches its float32 log, sin and exp and float64 log to AVX2 (X86_V3) and AVX-512 (X86_V4) versions that
+  differ in the last bits (measured: three of five functions). ``NPY_DISABLE_CPU_FEATURES`` turns off every target
+  the pinned NumPy dispatches to (``numpy._core._multiarray_umath.__cpu_dispatch__``; a test checks the list), leaving
+  its baseline, x86-64-v2; ``NPY_ENABLE_CPU_FEATURES`` is removed from the environment (NumPy refuses both at once).
+  NumPy's own BLAS (OpenBLAS, which also dispatches per CPU) is not on the notebooks' path: no notebook multiplies
+  NumPy matrices. The machine's OPENBLAS_* settings are left as they are.
+- OpenMP: how a reduction is split among threads changes its sums, so ``OMP_NUM_THREADS=2`` (training cells use one
+  thread, ``groundup.utils.threads``) and ``OMP_DYNAMIC=FALSE`` (the runtime may not hand out fewer threads). PyTorch
+  splits loops statically by the thread count (``at::parallel_for``), so the schedule does not depend on the CPU.
+- Python's ``math`` and ``random``, the tokenizers (integer work) and Matplotlib (its PNGs are not compared) call
+  nothing else that dispatches on the CPU in a printed number's path.
+
+The canary test (``tests/test_arithmetic_canary.py``, ``tools/arithmetic_canary.py``) fingerprints the operations the
+notebooks use under this arithmetic, compares them with fingerprints stored in the repository and names the first
+that differs, so a new CPU type fails in seconds; it also checks that a caller's own values of these variables change
+nothing. The package, the benchmarks and the unit tests run on the machine's fastest kernels; only the checked
+notebook runs pay for this.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 MARKER = "chapter7_model"
-REPRODUCIBLE = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "2"}  # see above
+#: The arithmetic of the checked runs, less their thread count (see above; the results tools use this with their own).
+ARITHMETIC = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "MKL_DYNAMIC": "FALSE",
+    "ONEDNN_MAX_CPU_ISA": "SSE41", "DNNL_MAX_CPU_ISA": "SSE41", "ONEDNN_DEFAULT_FPMATH_MODE": "STRICT",
+    "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX,-AVX2,-FMA,-FMA4,-AVX512F,-SSE4_1",
+    "NPY_DISABLE_CPU_FEATURES": "X86_V3 X86_V4 AVX512_ICL AVX512_SPR",
+    "OMP_DYNAMIC": "FALSE",
+}
+#: Their threads: two for every cell (a training cell sets one itself).
+THREADS = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+REPRODUCIBLE = {**ARITHMETIC, **THREADS}
+#: Variables a checked run must not see (NumPy refuses NPY_ENABLE_CPU_FEATURES beside NPY_DISABLE_CPU_FEATURES).
+UNSET = ("NPY_ENABLE_CPU_FEATURES",)
 # Checked runs give an exercise checker 60 s before they call the reader's code stuck (readers keep the 10 s of
 # groundup.exercises.checking.DEFAULT_TIMEOUT): the verdict of a correct solution must not depend on how busy or
 # slow the machine is (a 10x slower virtual machine, or two lanes on two cores). No stored output prints the bound.
 CHECKED = {"GROUNDUP_CHECK_TIMEOUT": "60"}
 
 
-def notebook_env(**extra: str) -> dict[str, str]:
-    """The environment notebooks run in: this process's, with :data:`CHECKED` and ``extra`` as defaults, and
-    :data:`REPRODUCIBLE` always (the stored outputs were made on that arithmetic; another prints other numbers)."""
-    return {**CHECKED, **extra, **os.environ, **REPRODUCIBLE}
+def notebook_env(environ=None, **extra: str) -> dict[str, str]:
+    """The environment notebooks run in: this process's (or ``environ``), with :data:`CHECKED` and ``extra`` as
+    defaults, and :data:`REPRODUCIBLE` always, :data:`UNSET` removed (the stored outputs were made on that
+    arithmetic; another prints other numbers)."""
+    env = {**CHECKED, **extra, **(os.environ if environ is None else environ), **REPRODUCIBLE}
+    return {k: v for k, v in env.items() if k not in UNSET}
 
 
 def lanes(notebooks: list[Path]) -> tuple[list[Path], list[Path]]:
@@ -73,77 +125,112 @@ def lanes(notebooks: list[Path]) -> tuple[list[Path], list[Path]]:
     return first, [p for p in notebooks if p not in first]
 
 
-def _run_lanes(command: list[str], model: list[Path], others: list[Path], log_dir: str) -> int:
-    """Lane 1: ``model[0]``; lane 2: ``others``; then both lanes share the queue ``model[1:]``."""
-    env = notebook_env(OMP_WAIT_POLICY="PASSIVE")
-    queue, lock, trained = deque(model[1:]), threading.Lock(), threading.Event()
-    processes, codes, stopped = [], [], []
+class Job:
+    """One process of the run: its name, command, environment and (optionally) the job it waits for."""
 
-    def run(group: list[Path], log) -> None:
-        log.write(f"\n----- {' '.join(p.name for p in group)} -----\n")
-        log.flush()
-        start = time.perf_counter()
-        with lock:
-            if stopped:
-                return
-            process = subprocess.Popen([*command, *map(str, group)], cwd=ROOT, env=env, stdout=log,
-                                       stderr=subprocess.STDOUT)
-            processes.append(process)
-        code = process.wait()
-        log.write(f"----- exit {code} after {time.perf_counter() - start:.0f} s -----\n")
-        codes.append(code)
+    def __init__(self, name: str, command: list[str], env: dict[str, str], after: Job | None = None):
+        self.name, self.command, self.env, self.after = name, command, env, after
+        self.code: int | None = None  # the exit status, once it has ended
 
-    def lane(own: list[Path], log, trains: bool) -> None:
-        try:
-            try:
-                if own:
-                    run(own, log)
-            finally:
-                if trains:
-                    trained.set()
-            trained.wait()
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    notebook = queue.popleft()
-                run([notebook], log)
-        except BaseException as error:  # the lane's own failure (pytest not started): report it, fail the run
-            codes.append(1)
-            log.write(f"\nthe lane failed: {error!r}\n")
+    def ready(self) -> bool:
+        return self.after is None or self.after.code is not None
 
-    print(f"lane 1: {model[0].name}", flush=True)
-    print(f"lane 2: {' '.join(p.name for p in others)}", flush=True)
-    if queue:
-        print(f"then whichever lane is free: {' '.join(p.name for p in queue)}", flush=True)
-    logs = [Path(log_dir, f"lane{i}.log").open("w+", encoding="utf-8") for i in (1, 2)]
-    threads = [threading.Thread(target=lane, args=(own, log, i == 0), daemon=True)
-               for i, (own, log) in enumerate(zip(([model[0]], others), logs))]
+
+def train_model_command() -> list[str]:
+    """The command that trains (or finds cached) chapter 7's model under the environment it is given."""
+    return [sys.executable, "-c", "from groundup.training import chapter7_model; chapter7_model()"]
+
+
+def _run_jobs(jobs: list[Job], log_dir: str, lanes: int = 2) -> int:
+    """Run ``jobs`` in ``lanes`` lanes, each taking the first job it may start (see the module's docstring)."""
+    pending, lock, changed = list(jobs), threading.Lock(), threading.Condition()
+    processes, stopped = [], []
     start = time.perf_counter()
+
+    def take() -> Job | None:
+        with changed:
+            while True:
+                if stopped or not pending:
+                    return None
+                job = next((j for j in pending if j.ready()), None)
+                if job is not None:
+                    pending.remove(job)
+                    return job
+                changed.wait()
+
+    def run(job: Job) -> None:
+        if job.after is not None and job.after.code != 0:
+            job.code = 1
+            sys.stdout.write(f"\n----- {job.name}: not started, because {job.after.name} failed -----\n")
+            return
+        log_path = Path(log_dir, f"job{jobs.index(job)}.log")
+        began = time.perf_counter()
+        with log_path.open("w+", encoding="utf-8") as log:
+            with lock:
+                if stopped:
+                    return
+                process = subprocess.Popen(job.command, cwd=ROOT, env=job.env, stdout=log, stderr=subprocess.STDOUT)
+                processes.append(process)
+            job.code = process.wait()
+            log.seek(0)
+            text = log.read()
+        with lock:
+            sys.stdout.write(f"\n{'=' * 20} {job.name}: exit {job.code} after {time.perf_counter() - began:.0f} s "
+                             f"(at {time.perf_counter() - start:.0f} s) {'=' * 20}\n{text}")
+            sys.stdout.flush()
+
+    def lane() -> None:
+        while (job := take()) is not None:
+            try:
+                run(job)
+            except BaseException as error:  # the lane's own failure (the process not started): report it
+                job.code = job.code or 1
+                with lock:
+                    sys.stdout.write(f"\n{job.name}: the lane failed: {error!r}\n")
+            finally:
+                with changed:
+                    changed.notify_all()
+
+    print("jobs, in the order the lanes take them: " + "; ".join(j.name for j in jobs), flush=True)
+    threads = [threading.Thread(target=lane, daemon=True) for _ in range(lanes)]
     try:
         for thread in threads:
             thread.start()
-        for i, (thread, log) in enumerate(zip(threads, logs), 1):
+        for thread in threads:
             thread.join()
-            log.seek(0)
-            print(f"\n{'=' * 30} lane {i}: ended after {time.perf_counter() - start:.0f} s {'=' * 30}", flush=True)
-            sys.stdout.write(log.read())
-            sys.stdout.flush()
     finally:
-        with lock:
+        with changed:
             stopped.append(True)
-            queue.clear()
+            changed.notify_all()
+        with lock:
             for process in processes:
                 if process.poll() is None:
                     process.kill()
-        for log in logs:
-            log.close()
-    return next((code for code in codes if code), 0)
+    print(f"\nall jobs ended after {time.perf_counter() - start:.0f} s", flush=True)
+    return next((job.code for job in jobs if job.code), 0)
+
+
+def jobs_for(notebooks: list[Path], pytest_args: list[str], unit_args: list[str] | None) -> list[Job]:
+    """The jobs of a two-lane run, in the order the lanes take them (see the module's docstring)."""
+    env = notebook_env(OMP_WAIT_POLICY="PASSIVE")
+    model, others = lanes(notebooks)
+    jobs, trained = [], None
+    if model:
+        trained = Job("the chapter 7 model", train_model_command(), env)
+        jobs.append(trained)
+    if unit_args is not None:
+        jobs.append(Job("unit tests", [sys.executable, "-m", "pytest", *unit_args],
+                        {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}))
+    command = [sys.executable, "-m", "pytest", *pytest_args]
+    jobs += [Job(p.name, [*command, str(p)], env) for p in others]
+    jobs += [Job(p.name, [*command, str(p)], env, after=trained) for p in model]
+    return jobs
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lanes", type=int, choices=(1, 2), default=2)
+    parser.add_argument("--unit", metavar="PYTEST-ARGS", help="also run the unit tests: pytest with these arguments")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: arguments for pytest")
     args = parser.parse_args(argv)
     pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
@@ -157,12 +244,14 @@ def main(argv=None) -> int:
     if not notebooks:
         print(f"no notebooks in {NOTEBOOKS}", file=sys.stderr)
         return 2
-    command = [sys.executable, "-m", "pytest", *pytest_args]
-    model, others = lanes(notebooks)
-    if args.lanes == 1 or not model or not others:
-        return subprocess.call([*command, *map(str, notebooks)], cwd=ROOT, env=notebook_env())
+    unit_args = shlex.split(args.unit) if args.unit is not None else None
+    if args.lanes == 1:
+        unit = subprocess.call([sys.executable, "-m", "pytest", *unit_args], cwd=ROOT) if unit_args is not None else 0
+        notebooks_status = subprocess.call([sys.executable, "-m", "pytest", *pytest_args, *map(str, notebooks)],
+                                           cwd=ROOT, env=notebook_env())
+        return unit or notebooks_status
     with tempfile.TemporaryDirectory(prefix="nbval-lanes-") as tmp:
-        return _run_lanes(command, model, others, tmp)
+        return _run_jobs(jobs_for(notebooks, pytest_args, unit_args), tmp)
 
 
 if __name__ == "__main__":

@@ -14,20 +14,21 @@ import platform
 import sys
 from pathlib import Path
 
-from nbval_lanes import REPRODUCIBLE
+from nbval_lanes import ARITHMETIC, UNSET
 
 from groundup.utils import atomic_write_text
 
 #: The notebooks' arithmetic without their thread count (a results tool sets its own, as its notebook cell does).
-NOTEBOOK_ARITHMETIC = {k: v for k, v in REPRODUCIBLE.items() if k != "OMP_NUM_THREADS"}
+NOTEBOOK_ARITHMETIC = dict(ARITHMETIC)
 
 
 def on_notebook_arithmetic() -> None:
     """Start this command again with :data:`NOTEBOOK_ARITHMETIC` set, unless the shell set it already: MKL and
     PyTorch read it when they load, so a process cannot switch later. For a tool whose stored numbers a notebook
     prints as if it had computed them."""
-    if any(os.environ.get(k) != v for k, v in NOTEBOOK_ARITHMETIC.items()):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **NOTEBOOK_ARITHMETIC})
+    if any(os.environ.get(k) != v for k, v in NOTEBOOK_ARITHMETIC.items()) or any(k in os.environ for k in UNSET):
+        env = {k: v for k, v in {**os.environ, **NOTEBOOK_ARITHMETIC}.items() if k not in UNSET}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def add_entry(path: Path, key: str, entry, *, section: str | None = "runs", header: dict | None = None) -> None:

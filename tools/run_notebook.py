@@ -5,8 +5,8 @@
 Syncs the badge, setup and solution cells first (in memory), runs each notebook from a fresh kernel in
 ``notebooks/``, numbers the cells 1..n, sets the standard kernelspec and drops per-cell timing metadata, so the
 stored outputs are what a fresh run prints. The kernel gets the environment the checked runs use
-(``nbval_lanes.notebook_env``: MKL's reproducible code path, PyTorch's plain x86-64 kernels, two threads), so the
-stored numbers are those of every x86-64 CPU.
+(``nbval_lanes.notebook_env``: every library that picks code for the CPU capped at a level every CPU the book runs
+on has, two threads), so the stored numbers are those of every x86-64 CPU.
 The file is rewritten, atomically, only when the whole run succeeded: a malformed notebook is an error naming
 the file, and a failed execution leaves the file as it was.
 """
@@ -41,7 +41,10 @@ def run(path: Path, timeout: int = 1800) -> float:
     nb.metadata.pop("jupytext", None)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     start = time.perf_counter()
-    os.environ.update(nbval_lanes.notebook_env())  # the kernel inherits it
+    env = nbval_lanes.notebook_env()  # the kernel inherits it
+    os.environ.update(env)
+    for name in set(os.environ) - set(env):  # nbval_lanes.UNSET
+        del os.environ[name]
     try:
         NotebookClient(nb, timeout=timeout, kernel_name="python3",
                        resources={"metadata": {"path": str(path.parent)}}, record_timing=False).execute()

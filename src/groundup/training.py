@@ -1051,22 +1051,34 @@ CHAPTER7_TRAINING = dict(batch_size=12, max_steps=2000, learning_rate=3e-3, warm
 """How chapter 7 trains it: 2000 steps, about 6.5 to 7 minutes of one core here (385 s under nbval, AMD EPYC)."""
 
 
+ARITHMETIC_VARIABLES = ("MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+                        "ONEDNN_DEFAULT_FPMATH_MODE", "GLIBC_TUNABLES", "NPY_DISABLE_CPU_FEATURES")
+"""The environment variables that choose which code computes chapter 7's training on this CPU: MKL's code path and
+instruction set, oneDNN's (PyTorch's GELU), glibc's libm variants and NumPy's. The book's checked notebook runs set
+every one (``tools/nbval_lanes.py`` says why each); ``ATEN_CPU_CAPABILITY`` is read back from PyTorch instead."""
+
+
 def _arithmetic() -> dict:
-    """The settings in force that decide the last bits of chapter 7's training: MKL's code path and PyTorch's CPU
-    kernels (``ATEN_CPU_CAPABILITY`` can lower them)."""
-    return {"mkl_cbwr": os.environ.get("MKL_CBWR"), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    """The settings in force that decide the last bits of chapter 7's training: PyTorch's CPU kernels
+    (``ATEN_CPU_CAPABILITY`` can lower them) and every variable of :data:`ARITHMETIC_VARIABLES`."""
+    return {"mkl_cbwr": os.environ.get("MKL_CBWR"), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "environment": {k: os.environ.get(k) for k in ARITHMETIC_VARIABLES}}
 
 
 def chapter7_path(cache_dir=None) -> Path:
     """Where :func:`chapter7_model` keeps the chapter 7 model trained under the arithmetic in force (the corpus
-    cache folder, ``models/``; e.g. ``chapter07-compatible-default.pt`` under the checked notebook runs' settings).
+    cache folder, ``models/``; e.g. ``chapter07-compatible-default-1a2b3c4d.pt``: MKL's code path, PyTorch's kernels
+    and a digest of the other :data:`ARITHMETIC_VARIABLES`).
 
     One file per arithmetic, so that the checked notebook runs and runs on the machine's fastest kernels do not
     overwrite each other's model and retrain it at every switch."""
+    import hashlib
+
     from groundup.data import corpus_cache_dir
 
     settings = _arithmetic()
-    tag = f"{settings['mkl_cbwr'] or 'auto'}-{settings['cpu_capability']}".lower()
+    digest = hashlib.sha256(json.dumps(settings["environment"], sort_keys=True).encode()).hexdigest()[:8]
+    tag = f"{settings['mkl_cbwr'] or 'auto'}-{settings['cpu_capability']}-{digest}".lower()
     return corpus_cache_dir(cache_dir) / "models" / f"chapter07-{re.sub(r'[^a-z0-9_.-]+', '_', tag)}.pt"
 
 
@@ -1106,9 +1118,9 @@ def train_chapter7_model(*, progress: bool = False, cache_dir=None) -> Chapter7R
     ``torch.manual_seed(0)`` before building ``GPT(GPTConfig(**CHAPTER7_MODEL))``, then :func:`train` with
     ``TrainConfig(**CHAPTER7_TRAINING)`` on one CPU thread, sampling with :func:`chapter7_sample` before training and
     after every evaluation. The result is saved for :func:`load_chapter7_run` and :func:`chapter7_model`. The
-    weights are the same on every machine when MKL's reproducible code path and PyTorch's plain x86-64 kernels are
-    on (``MKL_CBWR=COMPATIBLE`` and ``ATEN_CPU_CAPABILITY=default`` in the environment, as the book's checked
-    notebook runs set them); the kernels each picks for the CPU it finds differ between CPUs in the last bits.
+    weights are the same on every machine under the book's checked arithmetic (``tools/nbval_lanes.py``: MKL's
+    reproducible code path, PyTorch's plain x86-64 kernels, oneDNN, glibc's libm and NumPy capped at levels every
+    CPU the book runs on has); the kernels each picks for the CPU it finds differ between CPUs in the last bits.
     It is saved while the one thread is still in force, so :func:`chapter7_model` reuses it.
     """
     from groundup.char_data import char_corpus
@@ -1129,8 +1141,8 @@ def save_chapter7_model(model: GPT, tokenizer, history: History, samples: dict, 
     training (``{step: text}``, step 0 and every evaluation) -- for :func:`load_chapter7_run`.
 
     Call it with one CPU thread in force (as chapter 7 trains): only such a model is reused, because only its
-    weights are the same on every machine. The ``MKL_CBWR`` setting and PyTorch's CPU kernels in force
-    (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` can lower) are recorded too: a
+    weights are the same on every machine. PyTorch's CPU kernels in force (``torch.backends.cpu.get_cpu_capability()``,
+    which ``ATEN_CPU_CAPABILITY`` can lower) and every variable of :data:`ARITHMETIC_VARIABLES` are recorded too: a
     model is reused only under the same arithmetic (see :func:`train_chapter7_model`).
     """
     expected = [0, *history.eval_step]
@@ -1150,9 +1162,9 @@ def load_chapter7_run(*, cache_dir=None) -> Chapter7Run | None:
     """The stored chapter 7 run (:class:`Chapter7Run`), or None if there is none that today's chapter 7 would make.
 
     None when no file is stored, when it was trained with another ``CHAPTER7_MODEL`` or ``CHAPTER7_TRAINING``, on
-    more than one thread or under other arithmetic (``MKL_CBWR``, CPU kernels: its weights would differ in the last
-    bits), when it holds no samples (files stored before they were kept) or when it is damaged or not a checkpoint
-    (it is read with ``weights_only=True``, so nothing in it runs). The caller then trains afresh.
+    more than one thread or under other arithmetic (PyTorch's CPU kernels or any of :data:`ARITHMETIC_VARIABLES`:
+    its weights would differ in the last bits), when it holds no samples (files stored before they were kept) or
+    when it is damaged or not a checkpoint (it is read with ``weights_only=True``, so nothing in it runs). The caller then trains afresh.
     """
     from groundup.tokenizers import CharTokenizer
 
@@ -1167,7 +1179,7 @@ def load_chapter7_run(*, cache_dir=None) -> Chapter7Run | None:
         current = (ckpt["model_class"] == "GPT" and ckpt["train_config"] == dataclasses.asdict(
             TrainConfig(**CHAPTER7_TRAINING)) and {k: ckpt["model_config"][k] for k in CHAPTER7_MODEL} == CHAPTER7_MODEL
             and extra.get("threads") == 1  # trained as chapter 7 trains it: the same weights anywhere
-            and all(extra.get(k) == v for k, v in _arithmetic().items())  # MKL path, kernels
+            and all(extra.get(k) == v for k, v in _arithmetic().items())  # kernels, MKL, oneDNN, libm, NumPy
             and sorted(samples) == [0, *history.eval_step] and all(isinstance(t, str) for t in samples.values()))
         tokenizer = CharTokenizer(extra["chars"])
     except (ValueError, KeyError, TypeError):
