@@ -74,11 +74,11 @@ def fingerprints() -> dict[str, str]:
     from groundup.norms import RMSNorm
     from groundup.training import CHAPTER7_MODEL
 
+    ops = {"threads PyTorch starts with (a cell's own count)": [torch.get_num_threads()]}
     g = torch.Generator().manual_seed(0)
     x = torch.randn(12, 64, 128, generator=g)  # chapter 7's batch: 12 windows of 64 positions, d_model 128
     w = torch.randn(512, 128, generator=g) / 11.3
     a = torch.randn(20_000, generator=g) * 4
-    ops = {}
 
     def grad_of(fn, inp):
         inp = inp.clone().requires_grad_(True)
@@ -191,8 +191,7 @@ def report(found: dict[str, str], stored: dict[str, str]) -> str:
     from nbval_lanes import REPRODUCIBLE
 
     names = differences(found, stored)
-    first = ("the first is where to look; the later ones may only inherit it (a model computed from a "
-             "differing operation differs too)")
+    first = "the first is where to look: a later one may only inherit it, as a model computed from it does"
     lines = [f"{len(names)} of {len(stored)} operations compute other bits on this CPU than on the machine the "
              f"notebooks' outputs were stored on ({first}):"]
     lines += [f"  {name}: {found.get(name, 'missing')} here, {stored.get(name, 'missing')} stored" for name in names]

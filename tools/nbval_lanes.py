@@ -43,8 +43,11 @@ notebooks' path that picks instructions for the CPU it finds at run time, and ho
   orders (chapter 7's 60-step loop printed other losses in the third decimal on an AMD EPYC). ``MKL_CBWR=COMPATIBLE``
   is MKL's conditional numerical reproducibility mode: one SSE2 code path on Intel and AMD CPUs alike, at about half
   the throughput. ``MKL_ENABLE_INSTRUCTIONS=SSE4_2`` caps MKL's other dispatch (its vector-math functions included)
-  at x86-64-v2 in case a function is outside that mode; ``MKL_NUM_THREADS`` and ``MKL_DYNAMIC=FALSE`` fix its
-  threads, because the mode's results hold for one thread count (and PyTorch sizes its OpenMP pool from MKL's).
+  at x86-64-v2 in case a function is outside that mode; ``MKL_DYNAMIC=FALSE`` keeps its thread count, because
+  the mode's results hold for one thread count. A caller's ``MKL_NUM_THREADS`` is removed: PyTorch sizes its
+  OpenMP pool from MKL's count, so a process started with ``OMP_NUM_THREADS=1`` (chapter 11's torchrun workers)
+  would otherwise compute on MKL's count of threads instead (measured: chapter 11's two processes then no longer
+  equal one process accumulating two micro-batches bit for bit).
 - oneDNN computes PyTorch's float32 GELU, forward and backward (``ONEDNN_VERBOSE=1`` shows ``eltwise_gelu_erf``, and
   nothing else of chapter 7's training step), with code generated at run time for the best instruction set it finds:
   AVX-512 and AVX2 polynomials round differently (on a Zen 3 CPU, 42 cells of chapters 7-14 failed against outputs
@@ -101,10 +104,11 @@ ARITHMETIC = {
     "OMP_DYNAMIC": "FALSE",
 }
 #: Their threads: two for every cell (a training cell sets one itself).
-THREADS = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+THREADS = {"OMP_NUM_THREADS": "2"}
 REPRODUCIBLE = {**ARITHMETIC, **THREADS}
-#: Variables a checked run must not see (NumPy refuses NPY_ENABLE_CPU_FEATURES beside NPY_DISABLE_CPU_FEATURES).
-UNSET = ("NPY_ENABLE_CPU_FEATURES",)
+#: Variables a checked run must not see: NumPy refuses NPY_ENABLE_CPU_FEATURES beside NPY_DISABLE_CPU_FEATURES, and
+#: MKL_NUM_THREADS would size PyTorch's threads instead of OMP_NUM_THREADS (see above).
+UNSET = ("NPY_ENABLE_CPU_FEATURES", "MKL_NUM_THREADS")
 # Checked runs give an exercise checker 60 s before they call the reader's code stuck (readers keep the 10 s of
 # groundup.exercises.checking.DEFAULT_TIMEOUT): the verdict of a correct solution must not depend on how busy or
 # slow the machine is (a 10x slower virtual machine, or two lanes on two cores). No stored output prints the bound.
