@@ -109,8 +109,10 @@ def fingerprints() -> dict[str, str]:
         lambda t: F.scaled_dot_product_attention(t, t.flip(-1), t * 0.5, is_causal=True), x[:2].view(2, 4, 64, 32))
     ops["cross-entropy, backward"] = grad_of(lambda t: F.cross_entropy(t.view(-1, 128), torch.arange(256) % 128),
                                             x[:4, :64])
-    for name in ("exp", "log", "sin", "cos", "tanh", "erf", "sqrt", "rsqrt", "sigmoid"):
-        ops[f"torch.{name}"] = getattr(torch, name)(a.abs() + 1e-3 if name in ("log", "sqrt", "rsqrt") else a)
+    for name in ("exp", "log", "sin", "cos", "tanh", "erf", "rsqrt", "sigmoid"):
+        ops[f"torch.{name}"] = getattr(torch, name)(a.abs() + 1e-3 if name in ("log", "rsqrt") else a)
+    # MKL's vector sqrt starts from RSQRTPS, whose bits the CPU's maker defines (see tools/nbval_lanes.py)
+    ops["torch.sqrt (MKL's vector sqrt: RSQRTPS, then a Newton step)"] = torch.sqrt(a.abs() + 1e-3)
     ops["torch.pow"] = torch.pow(a.abs(), 0.7)
     values = a.double().numpy()
     for name in ("exp", "log", "sin", "cos", "sqrt"):
@@ -119,13 +121,15 @@ def fingerprints() -> dict[str, str]:
         ops[f"numpy.{name}, float32"] = getattr(np, name)(arg.astype(np.float32))
     ops["math.exp, math.log, math.sin (libm)"] = [f(v) for v in values[:2000].tolist()
                                                    for f in (math.exp, lambda t: math.log(abs(t) + 1e-3), math.sin)]
-    ops["AdamW step"] = _adamw_step(g)
+    ops["AdamW step, fused (as groundup's train)"] = _adamw_step(torch.Generator().manual_seed(1), fused=True)
+    ops["AdamW step, per tensor (torch.sqrt)"] = _adamw_step(torch.Generator().manual_seed(1), fused=False)
 
-    # Chapter 7's model: three training steps on one thread (as chapter 7 trains), then sampling with a KV cache.
+    # Chapter 7's model: three training steps on one thread with the fused AdamW groundup's train uses (as chapter 7
+    # trains), then sampling with a KV cache.
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=84, **CHAPTER7_MODEL))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)  # as train
     ids = torch.randint(0, 84, (12, 65), generator=g)
     losses = []
     for _ in range(3):
@@ -145,12 +149,12 @@ def fingerprints() -> dict[str, str]:
     return {name: fingerprint(value) for name, value in ops.items()}
 
 
-def _adamw_step(g):
+def _adamw_step(g, *, fused: bool):
     import torch
 
     p = torch.nn.Parameter(torch.randn(4096, generator=g))
     p.grad = torch.randn(4096, generator=g)
-    optimizer = torch.optim.AdamW([p], lr=3e-3, weight_decay=0.1)
+    optimizer = torch.optim.AdamW([p], lr=3e-3, weight_decay=0.1, fused=fused)
     optimizer.step()
     p.grad = torch.randn(4096, generator=g)
     optimizer.step()

@@ -48,6 +48,18 @@ notebooks' path that picks instructions for the CPU it finds at run time, and ho
   OpenMP pool from MKL's count, so a process started with ``OMP_NUM_THREADS=1`` (chapter 11's torchrun workers)
   would otherwise compute on MKL's count of threads instead (measured: chapter 11's two processes then no longer
   equal one process accumulating two micro-batches bit for bit).
+- MKL's vector-math functions (VML) compute PyTorch's float32 ``torch.sqrt``, ``exp``, ``log``, ``sin``, ``cos``,
+  ``tanh`` and ``erf``. On this Zen 4 a debugger shows its "EX" kernels under every MKL setting, and QEMU's
+  Haswell, Nehalem and EPYC-Milan models compute the same square roots as each other. One thing no setting
+  caps remains: the float32 square root of that kernel (and its log2, log10, tan, atan, asin, acos) starts from
+  the RSQRTPS instruction and refines it with a Newton step, and RSQRTPS is an approximation whose exact bits
+  each CPU maker defines (QEMU computes it exactly: 2,548 of 20,000 square roots then differ from this CPU's in
+  the last bit). So ``torch.sqrt`` on a CPU whose RSQRTPS differs prints other last digits: groundup's ``train``
+  uses the fused AdamW, whose square root is exact (IEEE ``sqrtps``) on every CPU, but the notebooks' own
+  ``.sqrt()`` calls, ``torch.optim.Adam``/``AdamW`` with their per-tensor default (chapters 1, 3, 4, 5, 7, 11) and
+  the hand-written layer norms of chapter 6 call VML's. A real Zen 3 reproduced the Zen 4 outputs of chapters 1-6,
+  which train that way; an Intel CPU is not known to. The canary fingerprints ``torch.sqrt`` and both AdamW paths,
+  so such a CPU fails in seconds with the operation's name.
 - oneDNN computes PyTorch's float32 GELU, forward and backward (``ONEDNN_VERBOSE=1`` shows ``eltwise_gelu_erf``, and
   nothing else of chapter 7's training step), with code generated at run time for the best instruction set it finds:
   AVX-512 and AVX2 polynomials round differently (on a Zen 3 CPU, 42 cells of chapters 7-14 failed against outputs
