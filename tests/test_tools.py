@@ -554,8 +554,8 @@ def test_results_tools_restart_on_the_notebooks_arithmetic(tmp_path):
     script = tmp_path / "tool.py"
     script.write_text("import os, sys\nsys.path.insert(0, sys.argv[1])\n"
                       "from results_file import on_notebook_arithmetic\non_notebook_arithmetic()\n"
-                      "print(os.environ['MKL_CBWR'], os.environ['ATEN_CPU_CAPABILITY'], os.environ['ONEDNN_MAX_CPU_ISA'],"
-                      " 'NPY_ENABLE_CPU_FEATURES' in os.environ, sys.argv[2:])\n")
+                      "e = os.environ\nprint(e['MKL_CBWR'], e['ATEN_CPU_CAPABILITY'], e['ONEDNN_MAX_CPU_ISA'],"
+                      " 'NPY_ENABLE_CPU_FEATURES' in e, sys.argv[2:])\n")
     env = {k: v for k, v in os.environ.items() if k not in nbval_lanes.REPRODUCIBLE}
     env["ATEN_CPU_CAPABILITY"] = "avx2"  # one set otherwise, the others unset: all end as the notebooks have them
     env["NPY_ENABLE_CPU_FEATURES"] = "X86_V3"  # removed

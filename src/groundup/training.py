@@ -1164,7 +1164,8 @@ def load_chapter7_run(*, cache_dir=None) -> Chapter7Run | None:
     None when no file is stored, when it was trained with another ``CHAPTER7_MODEL`` or ``CHAPTER7_TRAINING``, on
     more than one thread or under other arithmetic (PyTorch's CPU kernels or any of :data:`ARITHMETIC_VARIABLES`:
     its weights would differ in the last bits), when it holds no samples (files stored before they were kept) or
-    when it is damaged or not a checkpoint (it is read with ``weights_only=True``, so nothing in it runs). The caller then trains afresh.
+    when it is damaged or not a checkpoint (it is read with ``weights_only=True``, so nothing in it runs). The
+    caller then trains afresh.
     """
     from groundup.tokenizers import CharTokenizer
 
