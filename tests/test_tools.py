@@ -283,7 +283,8 @@ def test_nbval_lanes_report_the_first_failing_job(tmp_path, monkeypatch, capsys)
 class _Recorder:
     """A stand-in for subprocess.Popen: records starts and ends in ``events``; ``times`` and ``codes`` by name."""
 
-    events, lock, times, codes = [], threading.Lock(), {}, {}
+    events, lock, times, codes, waits_for = [], threading.Lock(), {}, {}, {}
+    pid = 2 ** 22 + 12345  # above Linux's largest pid: killing its group finds no process
 
     def __init__(self, command, **kwargs):
         self.name = next((Path(a).name for a in command if a.endswith(".ipynb")),
@@ -292,8 +293,12 @@ class _Recorder:
         with self.lock:
             self.events.append(("start", self.name))
 
-    def wait(self):
+    def wait(self, timeout=None):
         time.sleep(self.times.get(self.name, 0.01))
+        for name in self.waits_for.get(self.name, ()):  # ends only after these jobs have ended (or 10 s)
+            deadline = time.monotonic() + 10
+            while ("end", name) not in self.events and time.monotonic() < deadline:
+                time.sleep(0.01)
         with self.lock:
             self.events.append(("end", self.name))
         return self.codes.get(self.name, 0)
@@ -308,12 +313,15 @@ def test_nbval_lanes_train_the_model_beside_the_unit_tests_and_share_the_noteboo
         (tmp_path / f"{name}.ipynb").write_text("chapter7_model")
     for name in ("01_e", "02_f"):
         (tmp_path / f"{name}.ipynb").write_text("{}")
-    recorder = type("R", (_Recorder,), {"events": [], "times": {"model": 0.3, "unit": 0.1}, "codes": {"09_c.ipynb": 3}})
+    # the model ends only after the unit tests and both other notebooks: they must have run beside it
+    recorder = type("R", (_Recorder,), {"events": [], "codes": {"09_c.ipynb": 3},
+                                        "waits_for": {"model": ("unit", "01_e.ipynb", "02_f.ipynb")}})
     monkeypatch.setattr(nbval_lanes.subprocess, "Popen", recorder)
+    monkeypatch.setattr(nbval_lanes.os, "killpg", lambda pid, sig: None)
     assert nbval_lanes.main(["--unit", "tests -q -n 0", "--", "-q"]) == 3, "a failing notebook's status is the run's"
     events = recorder.events
     starts = [name for kind, name in events if kind == "start"]
-    assert starts[:2] == ["model", "unit"], "lane 1 trains while lane 2 runs the unit tests"
+    assert set(starts[:2]) == {"model", "unit"}, "one lane trains while the other runs the unit tests"
     assert sorted(starts) == sorted(["model", "unit", "01_e.ipynb", "02_f.ipynb", "07_a.ipynb", "08_b.ipynb",
                                      "09_c.ipynb", "12_d.ipynb"]), "each job runs once"
     trained = events.index(("end", "model"))
@@ -331,6 +339,7 @@ def test_nbval_lanes_start_no_model_notebook_when_the_model_failed(tmp_path, mon
     (tmp_path / "01_b.ipynb").write_text("{}")
     recorder = type("R", (_Recorder,), {"events": [], "times": {}, "codes": {"model": 1}})
     monkeypatch.setattr(nbval_lanes.subprocess, "Popen", recorder)
+    monkeypatch.setattr(nbval_lanes.os, "killpg", lambda pid, sig: None)
     assert nbval_lanes.main(["--", "-q"]) == 1
     assert ("start", "07_a.ipynb") not in recorder.events and ("start", "01_b.ipynb") in recorder.events
     assert "07_a.ipynb: not started, because the chapter 7 model failed" in capsys.readouterr().out
@@ -367,11 +376,13 @@ def test_nbval_lanes_run_with_passive_openmp_threads(tmp_path, monkeypatch, caps
     seen = []
 
     class Recorder:
+        pid = 2 ** 22 + 12345  # above Linux's largest pid: killing its group finds no process
+
         def __init__(self, command, *, env, **kwargs):
             seen.append(env.get("OMP_WAIT_POLICY"))
             assert env["MKL_CBWR"] == "COMPATIBLE"
 
-        def wait(self):
+        def wait(self, timeout=None):
             return 0
 
         def poll(self):

@@ -54,7 +54,8 @@ def fingerprint(value) -> str:
     import torch
 
     if isinstance(value, torch.Tensor):
-        data = value.detach().contiguous().cpu().numpy().tobytes()
+        value = value.detach().contiguous().cpu()
+        data = (value.view(torch.int16) if value.dtype == torch.bfloat16 else value).numpy().tobytes()
     elif isinstance(value, np.ndarray):
         data = np.ascontiguousarray(value).tobytes()
     else:
@@ -74,8 +75,9 @@ def fingerprints() -> dict[str, str]:
     from groundup.norms import RMSNorm
     from groundup.training import CHAPTER7_MODEL
 
-    ops = {"threads PyTorch starts with (a cell's own count)": [torch.get_num_threads()]}
     g = torch.Generator().manual_seed(0)
+    ops = {"threads PyTorch starts with (a cell's own count)": [torch.get_num_threads()],
+           "sum of a million numbers on those threads": torch.randn(1_000_000, generator=g).sum()}
     x = torch.randn(12, 64, 128, generator=g)  # chapter 7's batch: 12 windows of 64 positions, d_model 128
     w = torch.randn(512, 128, generator=g) / 11.3
     a = torch.randn(20_000, generator=g) * 4
@@ -95,6 +97,9 @@ def fingerprints() -> dict[str, str]:
         ops[f"F.linear with bias, backward, {threads} thread(s)"] = grad_of(lambda t: F.linear(t, w, w[:, 0]), x)
         ops[f"batched matrix product, {threads} thread(s)"] = torch.bmm(x[:, :, :64], x[:, :, 64:].transpose(1, 2))
     torch.set_num_threads(2)
+    ops["bfloat16 matrix product"] = x[:2].bfloat16() @ w.T.bfloat16()
+    ops["LAPACK (torch.linalg.svdvals, qr)"] = torch.cat([torch.linalg.svdvals(w[:64, :32]),
+                                                         torch.linalg.qr(w[:64, :32]).R.flatten()])
     big = torch.randn(1024, 512, generator=g)
     with torch.no_grad():
         ops["one-row linear (groundup.linear's blocked path)"] = linear(a[:512], big)
@@ -162,7 +167,12 @@ def _adamw_step(g, *, fused: bool):
 
 
 def cpu_description() -> str:
-    """The CPU's name and flags (from /proc/cpuinfo), for a report."""
+    """The CPU's name and flags (from /proc/cpuinfo) and the libraries' versions, for a report."""
+    import platform
+
+    import numpy
+    import torch
+
     name, flags = "unknown CPU", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -173,7 +183,9 @@ def cpu_description() -> str:
                 flags = value.strip()
     except OSError:
         pass
-    return f"CPU: {name}\nflags: {flags or 'unknown'}"
+    libc = " ".join(platform.libc_ver()) or "unknown"
+    return (f"CPU: {name}\nflags: {flags or 'unknown'}\n"
+            f"C library: {libc}; torch {torch.__version__}; numpy {numpy.__version__}")
 
 
 def run_canary(env: dict[str, str], timeout: float = 300) -> dict[str, str]:

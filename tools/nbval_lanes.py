@@ -41,13 +41,15 @@ notebooks' path that picks instructions for the CPU it finds at run time, and ho
   takes the plain versions, compiled for the wheel's baseline, which every CPU that runs PyTorch has.
 - Intel MKL does PyTorch's float32 matrix products, with a kernel per CPU, and the kernels add up in different
   orders (chapter 7's 60-step loop printed other losses in the third decimal on an AMD EPYC). ``MKL_CBWR=COMPATIBLE``
-  is MKL's conditional numerical reproducibility mode: one SSE2 code path on Intel and AMD CPUs alike, at about half
-  the throughput. ``MKL_ENABLE_INSTRUCTIONS=SSE4_2`` caps MKL's other dispatch (its vector-math functions included)
-  at x86-64-v2 in case a function is outside that mode; ``MKL_DYNAMIC=FALSE`` keeps its thread count, because
-  the mode's results hold for one thread count. A caller's ``MKL_NUM_THREADS`` is removed: PyTorch sizes its
-  OpenMP pool from MKL's count, so a process started with ``OMP_NUM_THREADS=1`` (chapter 11's torchrun workers)
-  would otherwise compute on MKL's count of threads instead (measured: chapter 11's two processes then no longer
-  equal one process accumulating two micro-batches bit for bit).
+  is MKL's conditional numerical reproducibility mode for its BLAS and LAPACK: one SSE2 code path on Intel and
+  AMD CPUs alike, at about half the throughput (its vector-math functions ignore it: next item).
+  ``MKL_ENABLE_INSTRUCTIONS=SSE4_2`` caps the instruction set of MKL's other dispatch at x86-64-v2 (on this AMD CPU
+  it changed no fingerprint: MKL already takes the same kernels under every setting); ``MKL_DYNAMIC=FALSE`` keeps
+  its thread count, because the mode's results hold for one thread count. A caller's ``MKL_NUM_THREADS`` (and
+  ``MKL_DOMAIN_*``) is removed: PyTorch sizes its OpenMP pool from MKL's count, so a process started with
+  ``OMP_NUM_THREADS=1`` (chapter 11's torchrun workers) would otherwise compute on MKL's count of threads instead
+  (measured: chapter 11's two processes then no longer equal one process accumulating two micro-batches bit for
+  bit).
 - MKL's vector-math functions (VML) compute PyTorch's float32 ``torch.sqrt``, ``exp``, ``log``, ``sin``, ``cos``,
   ``tanh`` and ``erf``. On this Zen 4 a debugger shows its "EX" kernels under every MKL setting, and QEMU's
   Haswell, Nehalem and EPYC-Milan models compute the same square roots as each other. One thing no setting
@@ -61,17 +63,20 @@ notebooks' path that picks instructions for the CPU it finds at run time, and ho
   which train that way; an Intel CPU is not known to. The canary fingerprints ``torch.sqrt`` and both AdamW paths,
   so such a CPU fails in seconds with the operation's name.
 - oneDNN computes PyTorch's float32 GELU, forward and backward (``ONEDNN_VERBOSE=1`` shows ``eltwise_gelu_erf``, and
-  nothing else of chapter 7's training step), with code generated at run time for the best instruction set it finds:
+  nothing else in chapter 7's training step), with code generated at run time for the best instruction set it finds:
   AVX-512 and AVX2 polynomials round differently (on a Zen 3 CPU, 42 cells of chapters 7-14 failed against outputs
   stored on a Zen 4). ``ONEDNN_MAX_CPU_ISA=SSE41`` caps it at its lowest level, SSE4.1, which x86-64-v2 includes
   (``DNNL_MAX_CPU_ISA``, the older name, is set alike); ``ONEDNN_DEFAULT_FPMATH_MODE=STRICT`` keeps float32 in
   float32 (a caller's ``BF16`` would let it compute in bfloat16). The generated code then uses the same SSE4.1
-  instructions on every CPU. ONEDNN_VERBOSE and the canary show no other oneDNN primitive in the notebooks' path.
+  instructions on every CPU. ONEDNN_VERBOSE shows no other oneDNN primitive in chapter 7's training step; the
+  canary also fingerprints a bfloat16 matrix product, which oneDNN would take at a higher level.
 - glibc's libm picks variants of expf, logf, powf, sinf, cosf, sin, cos, tan, atan, expm1, log2, exp2f and fma for
   CPUs with FMA, FMA4 or AVX2 (its ``ifunc`` resolvers; the resolved addresses change with the setting below), and
   NumPy's float64 exp on such a CPU differs from the plain one. ``GLIBC_TUNABLES=glibc.cpu.hwcaps=-AVX,-AVX2,-FMA,
   -FMA4,-AVX512F,-SSE4_1`` makes libm see a plain x86-64 CPU, so every CPU runs its SSE2 versions. (The caller's
-  other glibc tunables are dropped for the checked run.)
+  other glibc tunables are dropped for the checked run.) This holds for one glibc, Debian 12's 2.36, where the
+  book's checks run: another release may choose among other variants, or compute some functions anew (glibc 2.41
+  made several float functions correctly rounded), and the canary's report names the C library beside the CPU.
 - NumPy dispatches its float32 log, sin and exp and float64 log to AVX2 (X86_V3) and AVX-512 (X86_V4) versions that
   differ in the last bits (measured: three of five functions). ``NPY_DISABLE_CPU_FEATURES`` turns off every target
   the pinned NumPy dispatches to (``numpy._core._multiarray_umath.__cpu_dispatch__``; a test checks the list), leaving
@@ -79,7 +84,8 @@ notebooks' path that picks instructions for the CPU it finds at run time, and ho
   NumPy's own BLAS (OpenBLAS, which also dispatches per CPU) is not on the notebooks' path: no notebook multiplies
   NumPy matrices. The machine's OPENBLAS_* settings are left as they are.
 - OpenMP: how a reduction is split among threads changes its sums, so ``OMP_NUM_THREADS=2`` (training cells use one
-  thread, ``groundup.utils.threads``) and ``OMP_DYNAMIC=FALSE`` (the runtime may not hand out fewer threads). PyTorch
+  thread, ``groundup.utils.threads``), ``OMP_DYNAMIC=FALSE`` (the runtime may not hand out fewer threads) and no
+  ``OMP_THREAD_LIMIT`` (it would cap the teams while PyTorch still counts two threads). PyTorch
   splits loops statically by the thread count (``at::parallel_for``), so the schedule does not depend on the CPU.
 - Python's ``math`` and ``random``, the tokenizers (integer work) and Matplotlib (its PNGs are not compared) call
   nothing else that dispatches on the CPU in a printed number's path.
@@ -96,6 +102,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -118,13 +125,17 @@ ARITHMETIC = {
 #: Their threads: two for every cell (a training cell sets one itself).
 THREADS = {"OMP_NUM_THREADS": "2"}
 REPRODUCIBLE = {**ARITHMETIC, **THREADS}
-#: Variables a checked run must not see: NumPy refuses NPY_ENABLE_CPU_FEATURES beside NPY_DISABLE_CPU_FEATURES, and
-#: MKL_NUM_THREADS would size PyTorch's threads instead of OMP_NUM_THREADS (see above).
-UNSET = ("NPY_ENABLE_CPU_FEATURES", "MKL_NUM_THREADS")
+#: Variables a checked run must not see: NumPy refuses NPY_ENABLE_CPU_FEATURES beside NPY_DISABLE_CPU_FEATURES;
+#: MKL_NUM_THREADS and MKL_DOMAIN_* would size PyTorch's threads instead of OMP_NUM_THREADS, OMP_THREAD_LIMIT would cap
+#: the teams below it (see above); the VERBOSE switches print into the cells' outputs.
+UNSET = ("NPY_ENABLE_CPU_FEATURES", "MKL_NUM_THREADS", "MKL_DOMAIN_NUM_THREADS", "MKL_DOMAIN_ALL", "MKL_DOMAIN_BLAS",
+         "MKL_DOMAIN_VML", "OMP_THREAD_LIMIT", "MKL_VERBOSE", "ONEDNN_VERBOSE", "DNNL_VERBOSE")
 # Checked runs give an exercise checker 60 s before they call the reader's code stuck (readers keep the 10 s of
 # groundup.exercises.checking.DEFAULT_TIMEOUT): the verdict of a correct solution must not depend on how busy or
 # slow the machine is (a 10x slower virtual machine, or two lanes on two cores). No stored output prints the bound.
 CHECKED = {"GROUNDUP_CHECK_TIMEOUT": "60"}
+#: A hang guard for one job of a two-lane run (the chapter 7 model trains in about 400 s on a healthy 2-core machine).
+JOB_TIMEOUT = 3600
 
 
 def notebook_env(environ=None, **extra: str) -> dict[str, str]:
@@ -157,8 +168,10 @@ def train_model_command() -> list[str]:
     return [sys.executable, "-c", "from groundup.training import chapter7_model; chapter7_model()"]
 
 
-def _run_jobs(jobs: list[Job], log_dir: str, lanes: int = 2) -> int:
-    """Run ``jobs`` in ``lanes`` lanes, each taking the first job it may start (see the module's docstring)."""
+def _run_jobs(jobs: list[Job], log_dir: str, lanes: int = 2, timeout: float = JOB_TIMEOUT) -> int:
+    """Run ``jobs`` in ``lanes`` lanes, each taking the first job it may start (see the module's docstring). A job
+    runs in a process group of its own (a notebook's kernel and chapter 11's torchrun workers included), which is
+    killed when the job outlives ``timeout`` seconds or the run ends early."""
     pending, lock, changed = list(jobs), threading.Lock(), threading.Condition()
     processes, stopped = [], []
     start = time.perf_counter()
@@ -174,26 +187,34 @@ def _run_jobs(jobs: list[Job], log_dir: str, lanes: int = 2) -> int:
                     return job
                 changed.wait()
 
+    def report(job: Job, text: str) -> None:
+        with lock:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
     def run(job: Job) -> None:
         if job.after is not None and job.after.code != 0:
             job.code = 1
-            sys.stdout.write(f"\n----- {job.name}: not started, because {job.after.name} failed -----\n")
+            report(job, f"\n----- {job.name}: not started, because {job.after.name} failed -----\n")
             return
-        log_path = Path(log_dir, f"job{jobs.index(job)}.log")
         began = time.perf_counter()
-        with log_path.open("w+", encoding="utf-8") as log:
+        with Path(log_dir, f"job{jobs.index(job)}.log").open("w+", encoding="utf-8", errors="replace") as log:
             with lock:
                 if stopped:
                     return
-                process = subprocess.Popen(job.command, cwd=ROOT, env=job.env, stdout=log, stderr=subprocess.STDOUT)
+                process = subprocess.Popen(job.command, cwd=ROOT, env=job.env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
                 processes.append(process)
-            job.code = process.wait()
+            try:
+                job.code = process.wait(timeout=timeout)
+                note = ""
+            except subprocess.TimeoutExpired:
+                _kill_group(process)
+                job.code, note = 124, f"stopped after {timeout:.0f} s: "
             log.seek(0)
             text = log.read()
-        with lock:
-            sys.stdout.write(f"\n{'=' * 20} {job.name}: exit {job.code} after {time.perf_counter() - began:.0f} s "
-                             f"(at {time.perf_counter() - start:.0f} s) {'=' * 20}\n{text}")
-            sys.stdout.flush()
+        report(job, f"\n{'=' * 20} {job.name}: {note}exit {job.code} after {time.perf_counter() - began:.0f} s "
+                    f"(at {time.perf_counter() - start:.0f} s) {'=' * 20}\n{text}")
 
     def lane() -> None:
         while (job := take()) is not None:
@@ -201,8 +222,7 @@ def _run_jobs(jobs: list[Job], log_dir: str, lanes: int = 2) -> int:
                 run(job)
             except BaseException as error:  # the lane's own failure (the process not started): report it
                 job.code = job.code or 1
-                with lock:
-                    sys.stdout.write(f"\n{job.name}: the lane failed: {error!r}\n")
+                report(job, f"\n{job.name}: the lane failed: {error!r}\n")
             finally:
                 with changed:
                     changed.notify_all()
@@ -220,10 +240,21 @@ def _run_jobs(jobs: list[Job], log_dir: str, lanes: int = 2) -> int:
             changed.notify_all()
         with lock:
             for process in processes:
-                if process.poll() is None:
-                    process.kill()
+                _kill_group(process)
+    missed = [job.name for job in jobs if job.code is None]
+    if missed:
+        print(f"\nnot run: {', '.join(missed)}", flush=True)
     print(f"\nall jobs ended after {time.perf_counter() - start:.0f} s", flush=True)
-    return next((job.code for job in jobs if job.code), 0)
+    return next((1 if job.code is None else job.code for job in jobs if job.code != 0), 0)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """Kill ``process``'s whole process group (started with ``start_new_session``), if anything of it is left."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.poll()
 
 
 def jobs_for(notebooks: list[Path], pytest_args: list[str], unit_args: list[str] | None) -> list[Job]:
@@ -260,12 +291,16 @@ def main(argv=None) -> int:
     if not notebooks:
         print(f"no notebooks in {NOTEBOOKS}", file=sys.stderr)
         return 2
-    unit_args = shlex.split(args.unit) if args.unit is not None else None
+    try:
+        unit_args = shlex.split(args.unit) if args.unit is not None else None
+    except ValueError as err:
+        parser.error(f"--unit {args.unit!r}: {err}")
     if args.lanes == 1:
         unit = subprocess.call([sys.executable, "-m", "pytest", *unit_args], cwd=ROOT) if unit_args is not None else 0
         notebooks_status = subprocess.call([sys.executable, "-m", "pytest", *pytest_args, *map(str, notebooks)],
                                            cwd=ROOT, env=notebook_env())
         return unit or notebooks_status
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # so the jobs' groups are killed
     with tempfile.TemporaryDirectory(prefix="nbval-lanes-") as tmp:
         return _run_jobs(jobs_for(notebooks, pytest_args, unit_args), tmp)
 
