@@ -29,7 +29,8 @@ Adam) measured about 60x slower than alone, and about as fast as alone with the 
 not change how work is split among threads, so every printed number stays what the stored outputs show.
 
 Every notebook runs on one arithmetic that every x86-64 CPU the book runs on performs alike (:data:`REPRODUCIBLE`,
-which overrides the caller's environment; ``tools/run_notebook.py`` and the results tools use the same), because a
+which overrides the caller's environment; ``tools/run_notebook.py`` and the results tools that call
+``results_file.on_notebook_arithmetic`` use the same), because a
 training run amplifies a difference in the last bit of one operation into different printed losses a few hundred
 steps later. The floor is x86-64-v2 (SSE4.2): the book's pinned NumPy (2.4) is built for it and does not import on an
 older CPU, so every machine that runs the notebooks has SSE4.1 and SSE4.2. Library by library, the code in the
@@ -50,8 +51,9 @@ notebooks' path that picks instructions for the CPU it finds at run time, and ho
   ``OMP_NUM_THREADS=1`` (chapter 11's torchrun workers) would otherwise compute on MKL's count of threads instead
   (measured: chapter 11's two processes then no longer equal one process accumulating two micro-batches bit for
   bit).
-- MKL's vector-math functions (VML) compute PyTorch's float32 ``torch.sqrt``, ``exp``, ``log``, ``sin``, ``cos``,
-  ``tanh`` and ``erf``. On this Zen 4 a debugger shows its "EX" kernels under every MKL setting, and QEMU's
+- MKL's vector-math functions (VML) compute PyTorch's float32 ``torch.sqrt`` (a debugger shows ``vmsSqrt``) and,
+  through the same ATen file (``vml.h``), its ``exp``, ``log``, ``sin``, ``cos``, ``tanh`` and ``erf``. On this
+  Zen 4 a debugger shows its "EX" kernels under every MKL setting, and QEMU's
   Haswell, Nehalem and EPYC-Milan models compute the same square roots as each other. One thing no setting
   caps remains: the float32 square root of that kernel (and its log2, log10, tan, atan, asin, acos) starts from
   the RSQRTPS instruction and refines it with a Newton step, and RSQRTPS is an approximation whose exact bits
