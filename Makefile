@@ -69,9 +69,11 @@ unit: setup
 # Two lanes of notebooks at a time, one per core (see tools/nbval_lanes.py); NBVAL_LANES=1: one after another.
 NBVAL_LANES ?= 2
 
+NBVAL_ARGS = --nbval --nbval-current-env --nbval-sanitize-with sanitize.cfg --nbval-cell-timeout=$(NBVAL_TIMEOUT) \
+	--durations=15 -p no:cacheprovider
+
 notebooks: data
-	$(PY) tools/nbval_lanes.py --lanes $(NBVAL_LANES) -- --nbval --nbval-current-env \
-		--nbval-sanitize-with sanitize.cfg --nbval-cell-timeout=$(NBVAL_TIMEOUT) --durations=15 -p no:cacheprovider
+	$(PY) tools/nbval_lanes.py --lanes $(NBVAL_LANES) -- $(NBVAL_ARGS)
 
 book-check: book
 	$(PY) -m pytest tests/book -q -rs
@@ -79,9 +81,7 @@ book-check: book
 # The unit tests and every notebook in one two-lane run (tools/nbval_lanes.py): on a fresh machine chapter 7's model
 # trains on one core while the unit tests run on the other, then both cores share the notebooks.
 checks: data
-	$(PY) tools/nbval_lanes.py --lanes $(NBVAL_LANES) --unit "tests --ignore=tests/book -q" -- --nbval \
-		--nbval-current-env --nbval-sanitize-with sanitize.cfg --nbval-cell-timeout=$(NBVAL_TIMEOUT) --durations=15 \
-		-p no:cacheprovider
+	$(PY) tools/nbval_lanes.py --lanes $(NBVAL_LANES) --unit "tests --ignore=tests/book -q" -- $(NBVAL_ARGS)
 
 test: lint checks book-check
 

@@ -172,19 +172,11 @@ def cpu_description() -> str:
 
     import numpy
     import torch
+    from results_file import cpu_name_and_flags
 
-    name, flags = "unknown CPU", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == "unknown CPU":
-                name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = value.strip()
-    except OSError:
-        pass
+    name, flags = cpu_name_and_flags()
     libc = " ".join(platform.libc_ver()) or "unknown"
-    return (f"CPU: {name}\nflags: {flags or 'unknown'}\n"
+    return (f"CPU: {name or 'unknown CPU'}\nflags: {' '.join(flags) or 'unknown'}\n"
             f"C library: {libc}; torch {torch.__version__}; numpy {numpy.__version__}")
 
 

@@ -189,7 +189,7 @@ def _run_jobs(jobs: list[Job], log_dir: str, lanes: int = 2, timeout: float = JO
                     return job
                 changed.wait()
 
-    def report(job: Job, text: str) -> None:
+    def report(text: str) -> None:
         with lock:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -197,7 +197,7 @@ def _run_jobs(jobs: list[Job], log_dir: str, lanes: int = 2, timeout: float = JO
     def run(job: Job) -> None:
         if job.after is not None and job.after.code != 0:
             job.code = 1
-            report(job, f"\n----- {job.name}: not started, because {job.after.name} failed -----\n")
+            report(f"\n----- {job.name}: not started, because {job.after.name} failed -----\n")
             return
         began = time.perf_counter()
         with Path(log_dir, f"job{jobs.index(job)}.log").open("w+", encoding="utf-8", errors="replace") as log:
@@ -215,7 +215,7 @@ def _run_jobs(jobs: list[Job], log_dir: str, lanes: int = 2, timeout: float = JO
                 job.code, note = 124, f"stopped after {timeout:.0f} s: "
             log.seek(0)
             text = log.read()
-        report(job, f"\n{'=' * 20} {job.name}: {note}exit {job.code} after {time.perf_counter() - began:.0f} s "
+        report(f"\n{'=' * 20} {job.name}: {note}exit {job.code} after {time.perf_counter() - began:.0f} s "
                     f"(at {time.perf_counter() - start:.0f} s) {'=' * 20}\n{text}")
 
     def lane() -> None:
@@ -224,7 +224,7 @@ def _run_jobs(jobs: list[Job], log_dir: str, lanes: int = 2, timeout: float = JO
                 run(job)
             except BaseException as error:  # the lane's own failure (the process not started): report it
                 job.code = job.code or 1
-                report(job, f"\n{job.name}: the lane failed: {error!r}\n")
+                report(f"\n{job.name}: the lane failed: {error!r}\n")
             finally:
                 with changed:
                     changed.notify_all()

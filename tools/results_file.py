@@ -55,21 +55,28 @@ def add_entry(path: Path, key: str, entry, *, section: str | None = "runs", head
         os.close(fd)
 
 
+def cpu_name_and_flags() -> tuple[str | None, list[str]]:
+    """The CPU's model name (None if unknown) and its flags, as /proc/cpuinfo gives them for the first CPU."""
+    name, flags = None, None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name is None:
+                name = value.strip()
+            elif key.strip() == "flags" and flags is None:
+                flags = value.split()
+    except OSError:
+        pass
+    return name, flags or []
+
+
 def machine() -> dict:
     """Where a stored measurement ran: the CPU's name and core count, its flags that matter for bfloat16, the threads,
     PyTorch's kernels and MKL's code path in force, and PyTorch's version."""
     import torch  # only the tools that describe their machine need it
 
-    name, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
+    name, flags = cpu_name_and_flags()
+    name, flags = name or platform.processor() or "unknown", set(flags)
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
     return {"cpu": name, "cpu_count": os.cpu_count(), "flags": {f: f in flags for f in wanted},
             "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -1061,7 +1061,7 @@ every one (``tools/nbval_lanes.py`` says why each); ``ATEN_CPU_CAPABILITY`` is r
 def _arithmetic() -> dict:
     """The settings in force that decide the last bits of chapter 7's training: PyTorch's CPU kernels
     (``ATEN_CPU_CAPABILITY`` can lower them) and every variable of :data:`ARITHMETIC_VARIABLES`."""
-    return {"mkl_cbwr": os.environ.get("MKL_CBWR"), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "environment": {k: os.environ.get(k) for k in ARITHMETIC_VARIABLES}}
 
 
@@ -1078,7 +1078,7 @@ def chapter7_path(cache_dir=None) -> Path:
 
     settings = _arithmetic()
     digest = hashlib.sha256(json.dumps(settings["environment"], sort_keys=True).encode()).hexdigest()[:8]
-    tag = f"{settings['mkl_cbwr'] or 'auto'}-{settings['cpu_capability']}-{digest}".lower()
+    tag = f"{settings['environment']['MKL_CBWR'] or 'auto'}-{settings['cpu_capability']}-{digest}".lower()
     return corpus_cache_dir(cache_dir) / "models" / f"chapter07-{re.sub(r'[^a-z0-9_.-]+', '_', tag)}.pt"
 
 
