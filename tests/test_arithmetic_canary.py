@@ -83,3 +83,21 @@ def test_the_fingerprints_cover_what_the_issue_names():
                "torch.log", "torch.sin", "torch.sqrt", "AdamW step, fused", "AdamW step, per tensor", "LAPACK",
                "bfloat16", "sum of a million"):
         assert op in names
+
+
+def test_a_maker_defined_difference_is_reported_but_fails_nothing():
+    name = arithmetic_canary.MAKER_DEFINED[0]
+    found = {**STORED, name: "0" * 16}
+    assert set(arithmetic_canary.MAKER_DEFINED) <= set(STORED)
+    assert arithmetic_canary.differences(found, STORED) == []
+    assert arithmetic_canary.differences(found, STORED, maker_defined=True) == [name]
+    assert f"1 of {len(arithmetic_canary.MAKER_DEFINED)} differ here: {name}" in arithmetic_canary.report(found, STORED)
+
+
+def test_the_other_makers_square_root_changes_exactly_the_maker_defined_operations():
+    # make notebooks-other-sqrt runs the notebooks with tools/other_sqrt: it must perturb MKL's square root (else the
+    # run shows nothing) and nothing the notebooks rely on (else a failure there would not be about the square root).
+    env = {**nbval_lanes.notebook_env(), "GROUNDUP_OTHER_SQRT": "1", "PYTHONPATH": str(ROOT / "tools" / "other_sqrt")}
+    found = arithmetic_canary.run_canary(env)
+    assert arithmetic_canary.differences(found, STORED) == []
+    assert arithmetic_canary.differences(found, STORED, maker_defined=True) == list(arithmetic_canary.MAKER_DEFINED)

@@ -98,6 +98,35 @@ def test_code_lines_fit_the_book(path):
                       + "\n".join(wide))
 
 
+def optimizer_calls(code):
+    """The text of every ``torch.optim.Adam(...)`` and ``torch.optim.AdamW(...)`` call in ``code``, brackets matched."""
+    calls = []
+    for match in re.finditer(r"torch\.optim\.AdamW?\(", code):
+        depth, end = 0, match.end() - 1
+        for end in range(match.end() - 1, len(code)):
+            depth += {"(": 1, ")": -1}.get(code[end], 0)
+            if depth == 0:
+                break
+        calls.append(code[match.start():end + 1])
+    return calls
+
+
+def test_optimizer_calls_are_found_whole():
+    code = 'a = torch.optim.AdamW(f(x), lr=3e-3,\n    fused=True)\nb = torch.optim.Adam([w], lr=0.1)'
+    assert optimizer_calls(code) == ["torch.optim.AdamW(f(x), lr=3e-3,\n    fused=True)",
+                                     "torch.optim.Adam([w], lr=0.1)"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_adam_in_the_notebooks_is_fused(path):
+    """PyTorch's per-tensor Adam and AdamW (their default on a CPU) take MKL's float32 square root, whose last bit the
+    CPU's maker defines (tools/nbval_lanes.py): a training run would then print other losses on another maker's CPU.
+    The fused kernels (``fused=True``, as groundup's ``train``) take the IEEE square root on every CPU."""
+    unfused = [f"cell {i}: {call}" for i, cell in enumerate(cells(path, "code"))
+               for call in optimizer_calls(source(cell)) if not re.search(r"\bfused\s*=\s*True\b", call)]
+    assert not unfused, f"{path.name}: Adam or AdamW without fused=True:\n" + "\n".join(unfused)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_nbval_markers_are_cell_tags_not_comments(path):
     """nbval reads the tags nbval-ignore-output / nbval-skip; a '# NBVAL_...' comment would be noise in the reader's

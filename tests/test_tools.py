@@ -564,12 +564,14 @@ def test_results_tools_restart_on_the_notebooks_arithmetic(tmp_path):
     assert "OMP_NUM_THREADS" not in results_file.NOTEBOOK_ARITHMETIC  # a tool sets its own threads
     script = tmp_path / "tool.py"
     script.write_text("import os, sys\nsys.path.insert(0, sys.argv[1])\n"
-                      "from results_file import on_notebook_arithmetic\non_notebook_arithmetic()\n"
+                      "from results_file import NOTEBOOK_ARITHMETIC, machine, on_notebook_arithmetic\n"
+                      "on_notebook_arithmetic()\n"
                       "e = os.environ\nprint(e['MKL_CBWR'], e['ATEN_CPU_CAPABILITY'], e['ONEDNN_MAX_CPU_ISA'],"
-                      " 'NPY_ENABLE_CPU_FEATURES' in e, sys.argv[2:])\n")
+                      " 'NPY_ENABLE_CPU_FEATURES' in e, sys.argv[2:],"
+                      " machine()['arithmetic'] == NOTEBOOK_ARITHMETIC)\n")
     env = {k: v for k, v in os.environ.items() if k not in nbval_lanes.REPRODUCIBLE}
     env["ATEN_CPU_CAPABILITY"] = "avx2"  # one set otherwise, the others unset: all end as the notebooks have them
     env["NPY_ENABLE_CPU_FEATURES"] = "X86_V3"  # removed
     out = subprocess.run([sys.executable, str(script), str(ROOT / "tools"), "--entry", "x"], env=env,
                          capture_output=True, text=True, check=True).stdout
-    assert out == "COMPATIBLE default SSE41 False ['--entry', 'x']\n"
+    assert out == "COMPATIBLE default SSE41 False ['--entry', 'x'] True\n"  # and the stored machine says so

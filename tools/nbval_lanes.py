@@ -53,17 +53,20 @@ notebooks' path that picks instructions for the CPU it finds at run time, and ho
   bit).
 - MKL's vector-math functions (VML) compute PyTorch's float32 ``torch.sqrt`` (a debugger shows ``vmsSqrt``) and,
   through the same ATen file (``vml.h``), its ``exp``, ``log``, ``sin``, ``cos``, ``tanh`` and ``erf``. On this
-  Zen 4 a debugger shows its "EX" kernels under every MKL setting, and QEMU's
-  Haswell, Nehalem and EPYC-Milan models compute the same square roots as each other. One thing no setting
-  caps remains: the float32 square root of that kernel (and its log2, log10, tan, atan, asin, acos) starts from
-  the RSQRTPS instruction and refines it with a Newton step, and RSQRTPS is an approximation whose exact bits
-  each CPU maker defines (QEMU computes it exactly: 2,548 of 20,000 square roots then differ from this CPU's in
-  the last bit). So ``torch.sqrt`` on a CPU whose RSQRTPS differs prints other last digits: groundup's ``train``
-  uses the fused AdamW, whose square root is exact (IEEE ``sqrtps``) on every CPU, but the notebooks' own
-  ``.sqrt()`` calls, ``torch.optim.Adam``/``AdamW`` with their per-tensor default (chapters 1, 3, 4, 5, 7, 11) and
-  the hand-written layer norms of chapter 6 call VML's. A real Zen 3 reproduced the Zen 4 outputs of chapters 1-6,
-  which train that way; an Intel CPU is not known to. The canary fingerprints ``torch.sqrt`` and both AdamW paths,
-  so such a CPU fails in seconds with the operation's name.
+  Zen 4 a debugger shows its "EX" kernels under every MKL setting, and QEMU's Haswell (which MKL sees as an Intel
+  CPU), Nehalem and EPYC-Milan models compute every canary fingerprint as this CPU does but two. Those two are what
+  no setting caps: the float32 square root of that kernel (and its log2, log10, tan, atan, asin, acos) starts from
+  the RSQRTPS instruction and refines it with a Newton step, and RSQRTPS is an approximation whose exact bits each
+  CPU maker defines (QEMU computes it exactly: 2,548 of 20,000 square roots then differ from this CPU's in the last
+  bit). So the notebooks keep MKL's square root off every path a training run amplifies: their Adam and AdamW are
+  the fused kernels (``fused=True``, as groundup's ``train``; a test refuses any other), whose square root is IEEE
+  ``sqrtps`` on every CPU, and ``TokenEmbedding``'s RMS start divides by ``rsqrt`` (1 / IEEE square root). What still
+  calls it (an RMS printed once, chapter 6's layer norms by hand, chapter 7's AdamW by hand) is tried with another
+  maker's square root: ``make notebooks-other-sqrt`` runs the checked notebooks with every float32 ``sqrt``
+  correctly rounded instead (``tools/other_sqrt``: it differs from this CPU's in the last bit of one result in six),
+  and every stored output holds but the float32 differences of chapter 7's AdamW by hand, which print under
+  ``nbval-ignore-output`` and assert their size. The canary fingerprints ``torch.sqrt`` and the per-tensor AdamW
+  as maker-defined: reported, failing nothing.
 - oneDNN computes PyTorch's float32 GELU, forward and backward (``ONEDNN_VERBOSE=1`` shows ``eltwise_gelu_erf``, and
   nothing else in chapter 7's training step), with code generated at run time for the best instruction set it finds:
   AVX-512 and AVX2 polynomials round differently (on a Zen 3 CPU, 42 cells of chapters 7-14 failed against outputs

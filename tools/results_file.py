@@ -72,7 +72,8 @@ def cpu_name_and_flags() -> tuple[str | None, list[str]]:
 
 def machine() -> dict:
     """Where a stored measurement ran: the CPU's name and core count, its flags that matter for bfloat16, the threads,
-    PyTorch's kernels and MKL's code path in force, and PyTorch's version."""
+    PyTorch's kernels and MKL's code path in force, every variable of the notebooks' arithmetic
+    (:data:`NOTEBOOK_ARITHMETIC`, None where unset), and PyTorch's version."""
     import torch  # only the tools that describe their machine need it
 
     name, flags = cpu_name_and_flags()
@@ -81,4 +82,5 @@ def machine() -> dict:
     return {"cpu": name, "cpu_count": os.cpu_count(), "flags": {f: f in flags for f in wanted},
             "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "mkl_cbwr": os.environ.get("MKL_CBWR"),
+            "arithmetic": {k: os.environ.get(k) for k in NOTEBOOK_ARITHMETIC},
             "torch": torch.__version__}

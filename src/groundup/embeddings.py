@@ -77,7 +77,9 @@ class TokenEmbedding(nn.Module):
         """(Re-)draw ``weight`` according to ``self.init`` from PyTorch's global random generator."""
         if self.init == "rms":
             w = torch.randn(self.vocab_size, self.d_model)
-            self.weight.copy_(w / rms(w, keepdim=True))
+            # w / rms(w), written with rsqrt: torch's float32 sqrt calls MKL's, whose last bit depends on the CPU's
+            # maker (tools/nbval_lanes.py), and these weights are trained; rsqrt is 1 / (IEEE sqrt) on every CPU.
+            self.weight.copy_(w * w.pow(2).mean(dim=-1, keepdim=True).rsqrt())
         elif self.init == "normal":
             self.weight.normal_(0.0, 1.0)
         else:
