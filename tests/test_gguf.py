@@ -189,8 +189,54 @@ def test_bad_alignment(tmp_path):
 
 
 def test_unknown_tensor_type(tmp_path):
-    _refused(_file(tmp_path, tensors=[_tensor(b"w", [256], 12, 0)], data=b"\0" * 1024),
-             r"tensor 'w' has type Q4_K \(12\), which this reader does not dequantize")
+    _refused(_file(tmp_path, tensors=[_tensor(b"w", [256], 15, 0)], data=b"\0" * 1024),
+             r"tensor 'w' has type Q8_K \(15\), which this reader does not dequantize \(supported: F32 \(0\), .*"
+             r"Q4_0 \(2\), .*Q6_K \(14\)\)")
+
+
+def test_a_file_of_every_type_reads_as_gguf_reads_it(tmp_path):
+    # A file written by the gguf package: the legacy types quantized by it, the k-quants as random super-blocks with
+    # finite float16 scales (it has no k-quant encoder); every tensor must dequantize as gguf.quants does.
+    from test_quantization import FLOAT16_AT, _random_block_bytes
+
+    writer = gguf.GGUFWriter(tmp_path / "types.gguf", "llama")
+    x = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
+    names = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+    for name in names:
+        qtype = gguf.GGMLQuantizationType[name]
+        data = x if name == "F32" else x.astype(np.float16) if name == "F16" else gguf.quants.quantize(x, qtype)
+        writer.add_tensor(name, data, raw_dtype=None if name in ("F32", "F16") else qtype)
+    for name in FLOAT16_AT:
+        if name.endswith("_K"):
+            qtype = gguf.GGMLQuantizationType[name]
+            blocks = _random_block_bytes(8, int(qtype), seed=int(qtype)).reshape(4, -1)
+            writer.add_tensor(name, blocks, raw_dtype=qtype)  # shape from the bytes: (4, 512)
+            names.append(name)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, reference = read_gguf(tmp_path / "types.gguf"), gguf.GGUFReader(tmp_path / "types.gguf")
+    assert sorted(ours.tensors) == sorted(names)
+    for t in reference.tensors:
+        assert ours.tensors[t.name].type_name == t.name
+        expected = gguf.quants.dequantize(t.data, t.tensor_type).reshape(4, 512)
+        np.testing.assert_array_equal(ours.tensor(t.name).numpy(), expected, err_msg=t.name)
+
+
+def test_k_quant_tensors_are_checked_before_allocating(tmp_path):
+    _refused(_file(tmp_path, tensors=[_tensor(b"w", [128, 4], 14, 0)], data=b"\0" * 4096),
+             r"ne\[0\] a multiple of 256 for Q6_K")
+    _refused(_file(tmp_path, tensors=[_tensor(b"w", [256, 2**40], 12, 0)], data=b"\0" * 4096),
+             r"'w' \(Q4_K, sizes \[256, 1099511627776\]\) needs bytes .* past the end of the file")
+
+
+def test_a_nan_scale_is_refused_naming_the_tensor(tmp_path):
+    block = np.zeros(34, dtype=np.uint8)
+    block[:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    f = read_gguf(_file(tmp_path, tensors=[_tensor(b"w", [32], 8, 0)], data=block.tobytes() + b"\0" * 30))
+    with pytest.raises(GGUFError, match=r"tensor 'w': Q8_0 data of shape \(32,\) decodes to 32 NaN"):
+        f.tensor("w")
 
 
 def test_too_many_dims(tmp_path):

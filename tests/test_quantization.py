@@ -30,21 +30,30 @@ def _data(rows: int = 48, cols: int = 256, seed: int = 0) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize(("ours", "gguf_type"), [(Q.quantize_q8_0, GGMLQuantizationType.Q8_0),
-                                                  (Q.quantize_q4_1, GGMLQuantizationType.Q4_1)])
-def test_quantized_bytes_equal_the_gguf_package(ours, gguf_type):
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "BF16"])
+def test_quantized_bytes_equal_the_gguf_package(name):
     x = _data()
-    expected = gguf_quants.quantize(x.numpy(), gguf_type).reshape(-1)
-    got = ours(x)
+    expected = gguf_quants.quantize(x.numpy(), GGMLQuantizationType[name]).reshape(-1)
+    got = Q.quantize(x, getattr(Q, name))
     assert got.dtype == torch.uint8 and got.dim() == 1
     np.testing.assert_array_equal(got.numpy(), expected)
 
 
-@pytest.mark.parametrize("name", ["F32", "F16", "Q4_1", "Q8_0"])
+TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+BLOCK_TYPES = [name for name in TYPES if name.startswith("Q")]
+
+
+@pytest.mark.parametrize("name", TYPES)
 def test_type_numbers_and_block_layouts_are_ggmls(name):
     gguf_type = GGMLQuantizationType[name]
-    assert getattr(Q, name) == int(gguf_type)
+    assert getattr(Q, name, None) == int(gguf_type) or getattr(Q.kquants, name) == int(gguf_type)
     assert Q.BLOCK_LAYOUT[int(gguf_type)] == GGML_QUANT_SIZES[gguf_type]
+    assert Q.TYPE_NAMES[int(gguf_type)] == name
+
+
+# Where each block type keeps its float16 numbers (byte offsets): random bytes there could be NaN or infinite.
+FLOAT16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def _random_block_bytes(n_blocks: int, ggml_type: int, seed: int) -> np.ndarray:
@@ -52,20 +61,108 @@ def _random_block_bytes(n_blocks: int, ggml_type: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     _, block_bytes = Q.BLOCK_LAYOUT[ggml_type]
     raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
-    n_scales = 2 if ggml_type == Q.Q4_1 else 1
-    scales = (rng.standard_normal((n_blocks, n_scales)) * 0.1).astype(np.float16)
-    raw[:, :2 * n_scales] = scales.view(np.uint8)
+    for at in FLOAT16_AT[Q.TYPE_NAMES[ggml_type]]:
+        raw[:, at:at + 2] = (rng.standard_normal((n_blocks, 1)) * 0.1).astype(np.float16).view(np.uint8)
     return raw.reshape(-1)
 
 
-@pytest.mark.parametrize("ggml_type", [Q.Q8_0, Q.Q4_1])
-def test_dequantize_equals_the_gguf_package_exactly(ggml_type):
-    shape = (12, 96)
-    raw = _random_block_bytes(12 * 96 // 32, ggml_type, seed=ggml_type)
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_dequantize_equals_the_gguf_package_exactly(name):
+    ggml_type = int(GGMLQuantizationType[name])
+    per_block = Q.BLOCK_LAYOUT[ggml_type][0]
+    shape = (12, 3 * per_block)
+    raw = _random_block_bytes(12 * 3, ggml_type, seed=ggml_type)
     expected = gguf_quants.dequantize(raw.reshape(12, -1), GGMLQuantizationType(ggml_type))
     got = Q.dequantize(torch.from_numpy(raw), ggml_type, shape)
     assert got.dtype == torch.float32 and got.shape == shape
     np.testing.assert_array_equal(got.numpy(), expected)
+
+
+def test_bfloat16_dequantizes_as_the_gguf_package_does():
+    values = torch.randn(4, 8, generator=torch.Generator().manual_seed(3)).bfloat16()
+    raw = values.reshape(-1).view(torch.uint8)
+    expected = gguf_quants.dequantize(raw.numpy(), GGMLQuantizationType.BF16).reshape(4, 8)
+    got = Q.dequantize(raw, Q.BF16, (4, 8))
+    np.testing.assert_array_equal(got.numpy(), expected)
+    assert torch.equal(got, values.float())
+
+
+def _q4_k_scale_bytes(scales: list[int], mins: list[int]) -> bytes:
+    """Eight 6-bit scales and minimums packed as Q4_K packs them, written out from the rule (not from the package)."""
+    out = [0] * 12
+    for j in range(4):
+        out[j] = scales[j] | (scales[j + 4] >> 4) << 6
+        out[j + 4] = mins[j] | (mins[j + 4] >> 4) << 6
+        out[j + 8] = (scales[j + 4] & 0x0F) | (mins[j + 4] & 0x0F) << 4
+    return bytes(out)
+
+
+def test_one_q4_k_super_block_decoded_by_hand():
+    # x = d s_j q - dmin m_j for sub-block j = weight // 32; 32 bytes of nibbles serve two sub-blocks: the low nibbles
+    # the first, the high nibbles the second (llama.cpp's block_q4_K). Scales 4-7 above 15 test the packed top bits.
+    scales, mins = [1, 2, 3, 4, 17, 33, 50, 63], [0, 5, 9, 63, 16, 31, 48, 62]
+    q = [(7 * i + i // 32) % 16 for i in range(256)]
+    nibbles = [q[64 * c + i] | q[64 * c + 32 + i] << 4 for c in range(4) for i in range(32)]
+    raw = struct.pack("<ee", 0.5, 0.25) + _q4_k_scale_bytes(scales, mins) + bytes(nibbles)
+    got = Q.dequantize(torch.tensor(list(raw), dtype=torch.uint8), Q.kquants.Q4_K, (256,))
+    assert got.tolist() == [0.5 * scales[i // 32] * q[i] - 0.25 * mins[i // 32] for i in range(256)]
+
+
+def test_one_q6_k_super_block_decoded_by_hand():
+    # q = 6 bits - 32: low nibbles in ql (weights 0-63 of each half in the low halves of 64 bytes, 64-127 in the high
+    # halves), top two bits in qh (bits 2k, 2k + 1 of byte i for weight 32 k + i of each half); 16 signed scales.
+    q = [(5 * i + 3) % 64 for i in range(256)]
+    ql = [q[128 * h + i] & 15 | (q[128 * h + 64 + i] & 15) << 4 for h in range(2) for i in range(64)]
+    qh = [sum((q[128 * h + 32 * k + i] >> 4) << 2 * k for k in range(4)) for h in range(2) for i in range(32)]
+    scales = [(-1) ** j * (j + 1) for j in range(16)]
+    raw = bytes(ql) + bytes(qh) + struct.pack("<16b", *scales) + struct.pack("<e", 0.125)
+    got = Q.dequantize(torch.tensor(list(raw), dtype=torch.uint8), Q.kquants.Q6_K, (256,))
+    assert got.tolist() == [0.125 * scales[i // 16] * (q[i] - 32) for i in range(256)]
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "F16"])
+def test_a_nan_scale_or_value_is_refused(name):
+    ggml_type = int(GGMLQuantizationType[name])
+    raw = np.zeros(Q.BLOCK_LAYOUT[ggml_type][1] * (1 if name != "F16" else 32), dtype=np.uint8)
+    raw[:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    with pytest.raises(ValueError, match="decodes to 1.* NaN or infinite" if name == "F16" else "NaN or infinite"):
+        Q.dequantize(torch.from_numpy(raw), ggml_type, (Q.BLOCK_LAYOUT[ggml_type][0] * (32 if name == "F16" else 1),))
+
+
+K_TYPES = {"Q2_K": (16, 2, False), "Q3_K": (16, 3, True), "Q4_K": (32, 4, False), "Q5_K": (32, 5, False),
+           "Q6_K": (16, 6, True)}  # sub-block size, bits of q, signed q
+
+
+@pytest.mark.parametrize("name", K_TYPES)
+def test_k_quant_encoder_writes_valid_blocks_with_the_error_of_its_step(name):
+    # The encoder is a min-max rule, so its error must be that of a uniform quantizer whose step is each sub-block's
+    # range over its levels: RMS step / sqrt(12), computed here from the data (the scales' own 6-bit rounding moves
+    # it a few per cent). gguf.quants decodes its bytes as ours do.
+    ggml_type = int(GGMLQuantizationType[name])
+    x = torch.randn(256, 512, generator=torch.Generator().manual_seed(ggml_type))
+    raw = Q.quantize(x, ggml_type)
+    assert raw.numel() == Q.n_bytes((256, 512), ggml_type)
+    got = Q.dequantize(raw, ggml_type, (256, 512))
+    np.testing.assert_array_equal(got.numpy(), gguf_quants.dequantize(raw.numpy().reshape(256, -1),
+                                                                      GGMLQuantizationType[name]))
+    sub, bits, signed = K_TYPES[name]
+    xs = x.reshape(-1, sub)
+    step = (xs.abs().amax(1) / 2 ** (bits - 1) if signed
+            else (xs.amax(1) - xs.amin(1).clamp(max=0)) / (2**bits - 1))
+    ratio = ((got - x).pow(2).mean() / (step.pow(2).mean() / 12)).sqrt().item()
+    assert 0.85 < ratio < 1.1, ratio
+
+
+def test_k_quant_edge_blocks_decode_exactly():
+    # An all-zero super-block, and one whose sub-blocks are zero but one: no division by a zero step.
+    x = torch.zeros(2, 256)
+    x[1, 40] = -2.0
+    for name, (sub, _, _) in K_TYPES.items():
+        got = Q.round_trip(x, int(GGMLQuantizationType[name]))
+        assert torch.equal(got[0], x[0]) and torch.isfinite(got).all(), name
+        spiked = slice(40 // sub * sub, 40 // sub * sub + sub)       # the spike's sub-block; the others stay 0
+        assert got[1, :spiked.start].abs().max() == 0 and got[1, spiked.stop:].abs().max() == 0, name
+        assert abs(got[1, 40].item() + 2.0) < 2e-3 and (got[1, spiked] - x[1, spiked]).abs().max() < 0.01, name
 
 
 @pytest.mark.parametrize(("ggml_type", "np_dtype"), [(Q.F32, np.float32), (Q.F16, np.float16)])
@@ -154,7 +251,7 @@ def test_n_bytes_counts_blocks():
     ((torch.zeros(20, dtype=torch.uint8), Q.Q4_1, (-32,)), ValueError, "non-negative"),
     ((torch.zeros(20, dtype=torch.uint8), Q.Q4_1, (True,)), ValueError, "non-negative"),
     ((torch.zeros(20, dtype=torch.uint8), Q.Q4_1, 32), TypeError, "shape must be a tuple"),
-    ((torch.zeros(18, dtype=torch.uint8), 2, (32,)), ValueError, "ggml_type must be one of"),
+    ((torch.zeros(18, dtype=torch.uint8), 15, (32,)), ValueError, "ggml_type must be one of"),
     ((torch.zeros(34, dtype=torch.uint8), True, (32,)), ValueError, "ggml_type must be one of"),
     ((torch.zeros(34, dtype=torch.int8), Q.Q8_0, (32,)), ValueError, "dtype uint8"),
     ((torch.zeros(2, 34, dtype=torch.uint8), Q.Q8_0, (2, 32)), ValueError, "1-D"),
@@ -172,7 +269,8 @@ def test_hostile_arguments_are_refused_before_allocating(args, error, message):
     (torch.full((32,), 1e7), ValueError, "float16"),
     ([0.0] * 32, TypeError, "torch.Tensor"),
 ])
-@pytest.mark.parametrize("quantizer", [Q.quantize_q8_0, Q.quantize_q4_1])
+@pytest.mark.parametrize("quantizer", [Q.quantize_q8_0, Q.quantize_q4_1, Q.quantize_q4_0, Q.quantize_q5_0,
+                                       Q.quantize_q5_1])
 def test_bad_inputs_to_the_quantizers_are_refused(quantizer, x, error, message):
     with pytest.raises(error, match=message):
         quantizer(x)

@@ -25,6 +25,7 @@ from groundup.pretrained import (
     encode_chat,
     gguf_config,
     gguf_tokenizer,
+    load_gguf,
     load_smollm2,
 )
 
@@ -193,6 +194,34 @@ def test_foreign_architecture_refused(path):
     meta["general.architecture"] = "gpt2"
     with pytest.raises(CheckpointError, match="only 'llama' GGUF files"):
         gguf_config(meta, [])
+
+
+@pytest.mark.parametrize("key", ["attention.head_count", "embedding_length", "block_count", "attention.head_count_kv"])
+def test_a_zero_size_is_refused_naming_the_key(path, key):
+    from groundup.gguf import read_gguf
+
+    meta = dict(read_gguf(path).metadata)
+    meta["llama." + key] = 0
+    with pytest.raises(CheckpointError, match=rf"'llama.{key}' = 0 must be a positive integer"):
+        gguf_config(meta, [])
+
+
+def test_a_file_of_metadata_only_is_refused_before_the_model_is_built(tmp_path):
+    # A hostile probe's file: sizes of a model far larger than the machine (a 2**31-token embedding of width 2048
+    # is 16 TiB of float32), and no tensors. Building the model first ended in the allocator's RuntimeError; the
+    # shapes come from the meta device now, so the missing tensor is named instead.
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(tmp_path / "hostile.gguf", "llama")
+    for key, value in {"embedding_length": 2048, "block_count": 8, "feed_forward_length": 8192,
+                       "attention.head_count": 16, "context_length": 2048, "vocab_size": 2**31}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="hostile.gguf is missing tensor 'token_embd.weight'"):
+        load_gguf(tmp_path / "hostile.gguf")
 
 
 # ---- tokenizer ------------------------------------------------------------------------------------------------

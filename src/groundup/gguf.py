@@ -52,8 +52,8 @@ STRING, ARRAY = 8, 9
 _NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8",
                 11: "<i8", 12: "<f8"}
 
-#: GGML tensor type numbers and names (for error messages); the ones :mod:`groundup.quantization` reads are
-#: F32, F16, Q4_1 and Q8_0.
+#: GGML tensor type numbers and names (for error messages); the ones :mod:`groundup.quantization` reads are those of
+#: its ``TYPE_NAMES`` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the k-quants Q2_K to Q6_K).
 GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
                    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
                    24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 30: "BF16"}
@@ -114,9 +114,13 @@ class GGUFFile:
         return torch.from_numpy(self._data[info.offset:info.offset + info.n_bytes])
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` dequantized to float32, in PyTorch shape (``dims`` reversed)."""
+        """Tensor ``name`` dequantized to float32, in PyTorch shape (``dims`` reversed); a NaN or an infinity in it
+        (a NaN scale, say) is a :class:`GGUFError` naming the tensor."""
         info = self._info(name)
-        return quantization.dequantize(self.raw(name), info.ggml_type, info.shape)
+        try:
+            return quantization.dequantize(self.raw(name), info.ggml_type, info.shape)
+        except ValueError as err:
+            raise GGUFError(f"{self.path.name}: tensor {name!r}: {err}") from None
 
     def _info(self, name: str) -> TensorInfo:
         if name not in self.tensors:

@@ -547,6 +547,14 @@ def _meta(metadata: dict, key: str, types=(int,)):
     return value
 
 
+def _size(metadata: dict, key: str) -> int:
+    """A size from GGUF metadata: a positive int, or a CheckpointError naming the key."""
+    value = _meta(metadata, key)
+    if value < 1:
+        raise CheckpointError(f"GGUF metadata {key!r} = {value!r} must be a positive integer")
+    return value
+
+
 def gguf_tokenizer(metadata: dict) -> GGUFTokenizer:
     """The tokenizer of a GGUF file's metadata (``tokenizer.ggml.*``): a byte-level BPE (``model == "gpt2"``).
 
@@ -597,7 +605,7 @@ def gguf_config(metadata: dict, tensor_names) -> GPTConfig:
     if arch != "llama":
         raise CheckpointError(f"general.architecture is {arch!r}; only 'llama' GGUF files are supported")
     p = "llama."
-    d, n_heads = _meta(metadata, p + "embedding_length"), _meta(metadata, p + "attention.head_count")
+    d, n_heads = _size(metadata, p + "embedding_length"), _size(metadata, p + "attention.head_count")
     if d % n_heads:
         raise CheckpointError(f"embedding_length {d} is not a multiple of attention.head_count {n_heads}")
     rot = metadata.get(p + "rope.dimension_count", d // n_heads)
@@ -606,13 +614,16 @@ def gguf_config(metadata: dict, tensor_names) -> GPTConfig:
                               "supported")
     if metadata.get(p + "rope.scaling.type", "none") != "none":
         raise CheckpointError(f"rope.scaling.type {metadata[p + 'rope.scaling.type']!r} is not supported")
-    vocab = metadata.get(p + "vocab_size") or len(_meta(metadata, "tokenizer.ggml.tokens", (list,)))
-    return GPTConfig(vocab_size=vocab, context_length=_meta(metadata, p + "context_length"), d_model=d,
-                     n_layers=_meta(metadata, p + "block_count"), n_heads=n_heads,
-                     d_ff=_meta(metadata, p + "feed_forward_length"), positional="rope",
+    vocab = (_size(metadata, p + "vocab_size") if p + "vocab_size" in metadata
+             else len(_meta(metadata, "tokenizer.ggml.tokens", (list,))))
+    n_kv_heads = _size(metadata, p + "attention.head_count_kv") if p + "attention.head_count_kv" in metadata \
+        else n_heads
+    return GPTConfig(vocab_size=vocab, context_length=_size(metadata, p + "context_length"), d_model=d,
+                     n_layers=_size(metadata, p + "block_count"), n_heads=n_heads,
+                     d_ff=_size(metadata, p + "feed_forward_length"), positional="rope",
                      rope_pairing="interleaved", rope_base=float(metadata.get(p + "rope.freq_base", 10000.0)),
                      norm="rmsnorm", norm_position="pre", activation="swiglu", bias=False,
-                     n_kv_heads=metadata.get(p + "attention.head_count_kv", n_heads),
+                     n_kv_heads=n_kv_heads,
                      tie_weights="output.weight" not in tensor_names,
                      norm_eps=float(_meta(metadata, p + "attention.layer_norm_rms_epsilon", (float,))))
 
@@ -656,17 +667,21 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) ->
     gguf = read_gguf(path)
     config = gguf_config(gguf.metadata, gguf.tensors)
     names = gguf_tensor_names(config)
-    model = GPT(config)  # its random initial values are all overwritten below
-    params = dict(model.named_parameters())
+    with torch.device("meta"):  # shapes only: a file's metadata may claim a model larger than the machine
+        shapes = {name: tuple(p.shape) for name, p in GPT(config).named_parameters()}
     unexpected = sorted(set(gguf.tensors) - set(names.values()))
     if unexpected:
         raise CheckpointError(f"unexpected tensor(s) in {Path(path).name}: {unexpected[:5]}")
     for ours, theirs in names.items():
         if theirs not in gguf.tensors:
             raise CheckpointError(f"{Path(path).name} is missing tensor {theirs!r} (for {ours})")
-        if gguf.tensors[theirs].shape != tuple(params[ours].shape):
+        if gguf.tensors[theirs].shape != shapes[ours]:
             raise CheckpointError(f"tensor {theirs!r} has shape {gguf.tensors[theirs].shape}, expected "
-                                  f"{tuple(params[ours].shape)} (for {ours})")
+                                  f"{shapes[ours]} (for {ours})")
+    # Every tensor is in the file with the model's shape (the reader checked it lies inside the file): only now is
+    # the model built, its random initial values all overwritten below.
+    model = GPT(config)
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for ours, theirs in names.items():
             params[ours].copy_(gguf.tensor(theirs))

@@ -1,4 +1,4 @@
-"""Quantization by hand: GGML's block formats Q8_0 and Q4_1 (and plain F32/F16), as GGUF files store weights.
+"""Quantization by hand: GGML's block formats, as GGUF files store weights.
 
 A quantized matrix is cut, row by row, into blocks of ``BLOCK_SIZE = 32`` consecutive numbers; each block keeps one or
 two float16 numbers that set its scale and 32 small integers:
@@ -7,15 +7,25 @@ two float16 numbers that set its scale and 32 small integers:
   each, so that ``x ≈ d q``.
 - **Q4_1** (20 bytes a block): a step ``d = (max x - min x) / 15``, the minimum ``m = min x`` and
   ``q = round((x - m) / d)`` in [0, 15], four bits each, two to a byte, so that ``x ≈ d q + m``.
+- **Q4_0** (18 bytes) and **Q5_0** (22 bytes): no minimum; ``d = x_max / -8`` (``/ -16``), where ``x_max`` is the
+  entry of largest magnitude with its sign, and ``x ≈ d (q - 8)`` (``d (q - 16)``) with q of 4 (5) bits.
+- **Q5_1** (24 bytes): Q4_1 with 5-bit q (``d = (max - min) / 31``).
 
-The bytes are laid out exactly as llama.cpp lays them out (its ``block_q8_0`` and ``block_q4_1``): the float16 numbers
+In the 5-bit types the fifth bits of the 32 q come first, as one little-endian 32-bit word (bit i for ``q[i]``),
+then the low four bits as in Q4_1. The k-quants (Q2_K ... Q6_K: super-blocks of 256 weights with quantized scales)
+are decoded and encoded in :mod:`groundup.kquants`; F32, F16 and BF16 are plain numbers (BF16: the top 16 bits of
+a float32).
+
+The bytes are laid out exactly as llama.cpp lays them out (its ``block_q8_0``, ``block_q4_1`` ...): the float16 numbers
 first, little-endian, then the integers; in Q4_1, byte ``j`` of a block holds ``q[j]`` in its low four bits and
 ``q[j + 16]`` in its high four bits. The quantizers round as llama.cpp's reference quantizers do (Q8_0: half away from
-zero, the division done as a multiplication by ``1 / d`` in float32; Q4_1: ``trunc(... + 0.5)``), so their bytes equal
-the ``gguf`` package's, and dequantization computes ``d * q`` and ``d * q + m`` in float32 as it does (tests check
+zero, the division done as a multiplication by ``1 / d`` in float32; the others: ``trunc(... + 0.5)``), so their bytes
+equal the ``gguf`` package's, and dequantization computes ``d * q`` and ``d * q + m`` in float32 as it does (tests check
 both). Everything is vectorised over blocks: a block is a row of a ``(n_blocks, 32)`` tensor.
 
-Type numbers are GGML's (``gguf.GGMLQuantizationType``): F32 = 0, F16 = 1, Q4_1 = 3, Q8_0 = 8.
+Type numbers are GGML's (``gguf.GGMLQuantizationType``): F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7,
+Q8_0 = 8, Q2_K ... Q6_K = 10 ... 14, BF16 = 30. A tensor that decodes to a NaN or an infinity (a NaN float16 scale,
+say) is refused: no weight of a model is either.
 """
 
 import math
@@ -23,12 +33,18 @@ import numbers
 
 import torch
 
+from groundup import kquants
+
 BLOCK_SIZE = 32
-F32, F16, Q4_1, Q8_0 = 0, 1, 3, 8
-TYPE_NAMES = {F32: "F32", F16: "F16", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 0, 1, 2, 3, 6, 7, 8, 30
+TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
+              Q8_0: "Q8_0", **kquants.TYPE_NAMES}
 # (numbers per block, bytes per block) for each type, as GGML's type traits give them.
-BLOCK_LAYOUT = {F32: (1, 4), F16: (1, 2),
-                Q4_1: (BLOCK_SIZE, 2 + 2 + BLOCK_SIZE // 2), Q8_0: (BLOCK_SIZE, 2 + BLOCK_SIZE)}
+BLOCK_LAYOUT = {F32: (1, 4), F16: (1, 2), BF16: (1, 2),
+                Q4_0: (BLOCK_SIZE, 2 + BLOCK_SIZE // 2), Q4_1: (BLOCK_SIZE, 2 + 2 + BLOCK_SIZE // 2),
+                Q5_0: (BLOCK_SIZE, 2 + 4 + BLOCK_SIZE // 2), Q5_1: (BLOCK_SIZE, 2 + 2 + 4 + BLOCK_SIZE // 2),
+                Q8_0: (BLOCK_SIZE, 2 + BLOCK_SIZE),
+                **{t: (kquants.QK_K, size) for t, size in kquants.BLOCK_BYTES.items()}}
 FLOAT16_MAX = 65504.0
 
 
@@ -206,38 +222,142 @@ def dequantize_q4_1(raw: torch.Tensor, shape) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Any of the four types
+# Q4_0 and Q5_0: x ≈ d (q - 8) and d (q - 16), d = x_max / -8 (/ -16); Q5_1: x ≈ d q + m with 5-bit q
 # ---------------------------------------------------------------------------------------------------------------
 
+def _signed_max(blocks: torch.Tensor) -> torch.Tensor:
+    """Each block's entry of largest magnitude, with its sign (the first such entry on a tie), ``(n,)``."""
+    return blocks.gather(1, blocks.abs().argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+def _symmetric_encode(blocks: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 (``half`` 8) and Q5_0 (16): ``d = x_max / -half`` (float16) and ``q = trunc(x / d + half + 0.5)``.
+
+    Dividing by the *signed* largest entry makes that entry exactly ``q = 0``, i.e. ``-half * d``; the opposite end
+    reaches ``2 half - 1`` at most, so no level is wasted on a sign the block never uses in full."""
+    d = _signed_max(blocks) / -half
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc(blocks * inverse[:, None] + (half + 0.5)).clamp(0, 2 * half - 1)
+    return _to_float16(d, f"scale d = x_max / -{half}"), q.to(torch.uint8)
+
+
+def _fifth_bits(q: torch.Tensor) -> torch.Tensor:
+    """5-bit numbers ``(n, 32)`` -> their top bits as one little-endian 32-bit word per block, bytes ``(n, 4)``."""
+    weights = 1 << torch.arange(8, dtype=torch.int32)
+    top = (q >> 4).to(torch.int32).view(-1, 4, 8)
+    return (top * weights).sum(dim=2).to(torch.uint8)
+
+
+def _with_fifth_bits(qh: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """Bytes of fifth bits ``(n, 4)`` and of nibbles ``(n, 16)`` -> 5-bit numbers ``(n, 32)`` (uint8)."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    top = ((qh[:, :, None] >> shifts) & 1).reshape(-1, 32)
+    return unpack_nibbles(packed) | (top << 4)
+
+
+def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (last size a multiple of 32) as Q4_0 bytes: per block 2 bytes of ``d``, 16 of nibbles."""
+    d, q = _symmetric_encode(_check_floats(x), 8)
+    return torch.cat([_float16_bytes(d), pack_nibbles(q)], dim=1).reshape(-1)
+
+
+def dequantize_q4_0(raw: torch.Tensor, shape) -> torch.Tensor:
+    """Q4_0 bytes -> float32 of ``shape``: ``x = d (q - 8)``."""
+    shape = _check_shape(shape, Q4_0)
+    blocks = _check_raw(raw, Q4_0, shape)
+    q = unpack_nibbles(blocks[:, 2:]).to(torch.int8) - 8
+    return q8_0_decode_blocks(_float16_from_bytes(blocks[:, :2]), q).reshape(shape)
+
+
+def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as Q5_0 bytes: per block 2 bytes of ``d``, 4 of fifth bits, 16 of low nibbles."""
+    d, q = _symmetric_encode(_check_floats(x), 16)
+    return torch.cat([_float16_bytes(d), _fifth_bits(q), pack_nibbles(q & 0x0F)], dim=1).reshape(-1)
+
+
+def dequantize_q5_0(raw: torch.Tensor, shape) -> torch.Tensor:
+    """Q5_0 bytes -> float32 of ``shape``: ``x = d (q - 16)``."""
+    shape = _check_shape(shape, Q5_0)
+    blocks = _check_raw(raw, Q5_0, shape)
+    q = _with_fifth_bits(blocks[:, 2:6], blocks[:, 6:]).to(torch.int8) - 16
+    return q8_0_decode_blocks(_float16_from_bytes(blocks[:, :2]), q).reshape(shape)
+
+
+def quantize_q5_1(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as Q5_1 bytes: per block ``d``, ``m`` (2 bytes each), 4 of fifth bits, 16 of low nibbles."""
+    blocks = _check_floats(x)
+    low = blocks.amin(dim=1)
+    d = (blocks.amax(dim=1) - low) / 31
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc((blocks - low[:, None]) * inverse[:, None] + 0.5).clamp(0, 31).to(torch.uint8)
+    d, m = _to_float16(d, "step d = (max - min) / 31"), _to_float16(low, "minimum m")
+    return torch.cat([_float16_bytes(d), _float16_bytes(m), _fifth_bits(q), pack_nibbles(q & 0x0F)],
+                     dim=1).reshape(-1)
+
+
+def dequantize_q5_1(raw: torch.Tensor, shape) -> torch.Tensor:
+    """Q5_1 bytes -> float32 of ``shape``: ``x = d q + m``."""
+    shape = _check_shape(shape, Q5_1)
+    blocks = _check_raw(raw, Q5_1, shape)
+    d, m = _float16_from_bytes(blocks[:, :4]).view(-1, 2).unbind(dim=1)
+    return q4_1_decode_blocks(d, m, _with_fifth_bits(blocks[:, 4:8], blocks[:, 8:])).reshape(shape)
+
+
+def _bfloat16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16's bytes, rounding to nearest even as GGML does (``ggml_compute_fp32_to_bf16``)."""
+    return x.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Any of the types
+# ---------------------------------------------------------------------------------------------------------------
+
+_DEQUANTIZERS = {Q4_0: dequantize_q4_0, Q4_1: dequantize_q4_1, Q5_0: dequantize_q5_0, Q5_1: dequantize_q5_1,
+                 Q8_0: dequantize_q8_0}
+_QUANTIZERS = {Q4_0: quantize_q4_0, Q4_1: quantize_q4_1, Q5_0: quantize_q5_0, Q5_1: quantize_q5_1,
+               Q8_0: quantize_q8_0}
+_PLAIN = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+
+
 def dequantize(raw: torch.Tensor, ggml_type: int, shape) -> torch.Tensor:
-    """A GGUF tensor's bytes (1-D uint8) -> float32 of ``shape``, for F32, F16, Q4_1 and Q8_0.
+    """A GGUF tensor's bytes (1-D uint8) -> float32 of ``shape``, for every type of :data:`TYPE_NAMES`.
 
     ``shape`` is in PyTorch order, the contiguous size last (GGUF's tensor table lists the sizes the other way
-    round: ``ne[0]`` first). The byte count is checked against the shape before anything is allocated.
+    round: ``ne[0]`` first). The byte count is checked against the shape before anything is allocated, and a
+    result holding a NaN or an infinity is refused (ValueError).
     """
     ggml_type = _check_type(ggml_type)
     shape = _check_shape(shape, ggml_type)
-    if ggml_type == Q8_0:
-        return dequantize_q8_0(raw, shape)
-    if ggml_type == Q4_1:
-        return dequantize_q4_1(raw, shape)
-    blocks = _check_raw(raw, ggml_type, shape)
-    dtype = torch.float32 if ggml_type == F32 else torch.float16
-    return blocks.contiguous().view(dtype).reshape(shape).to(torch.float32)
+    if ggml_type in _DEQUANTIZERS:
+        x = _DEQUANTIZERS[ggml_type](raw, shape)
+    elif ggml_type in kquants.DECODERS:
+        x = kquants.decode(_check_raw(raw, ggml_type, shape), ggml_type).reshape(shape)
+    else:
+        x = _check_raw(raw, ggml_type, shape).contiguous().view(_PLAIN[ggml_type]).reshape(shape).to(torch.float32)
+    bad = x.numel() - int(torch.isfinite(x).sum())
+    if bad:
+        raise ValueError(f"{TYPE_NAMES[ggml_type]} data of shape {shape} decodes to {bad:,} NaN or infinite "
+                         f"value(s) (a NaN or infinite number, or scale, in the bytes)")
+    return x
 
 
 def quantize(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """``x`` in one of the four formats, as 1-D uint8 bytes (F32 and F16: the numbers' little-endian bytes)."""
+    """``x`` in any format of :data:`TYPE_NAMES`, as 1-D uint8 bytes (F32, F16, BF16: the numbers' bytes).
+
+    The legacy block types give the ``gguf`` package's bytes; the k-quants (last size a multiple of 256) use a
+    min-max rule per sub-block (:mod:`groundup.kquants`), not llama.cpp's search, so their bytes differ from
+    llama-quantize's while decoding the same way."""
     ggml_type = _check_type(ggml_type)
-    if ggml_type == Q8_0:
-        return quantize_q8_0(x)
-    if ggml_type == Q4_1:
-        return quantize_q4_1(x)
+    if ggml_type in _QUANTIZERS:
+        return _QUANTIZERS[ggml_type](x)
+    if ggml_type in kquants.ENCODERS:
+        return kquants.encode(_check_floats(x, per_row=kquants.QK_K), ggml_type).reshape(-1)
     x = _check_floats(x, per_row=1)
-    dtype = torch.float32 if ggml_type == F32 else torch.float16
-    if dtype == torch.float16:
+    if ggml_type == BF16:
+        return _bfloat16_bytes(x)
+    if ggml_type == F16:
         x = _to_float16(x, "value")
-    return x.to(dtype).contiguous().view(torch.uint8).reshape(-1)
+    return x.to(_PLAIN[ggml_type]).contiguous().view(torch.uint8).reshape(-1)
 
 
 def round_trip(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
