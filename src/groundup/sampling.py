@@ -56,6 +56,9 @@ def add_sample_parser(sub) -> None:
                    help="with --pretrained smollm2: first load the LoRA adapters of this 'groundup finetune' run "
                         "folder onto the model (merged into its weights); adapters trained on another base are "
                         "refused")
+    p.add_argument("--quantized", action="store_true",
+                   help="with --pretrained smollm2: keep the matrices in their GGUF blocks and compute from them "
+                        "(QuantizedLinear, chapter 12): about a third of the memory, the same float32 arithmetic")
     p.add_argument("--chat", action="store_true",
                    help="with --pretrained smollm2: --prompt is a user's message, sent in SmolLM2's chat template; "
                         "prints the assistant's answer (up to --tokens, default 128, or its end-of-turn token)")
@@ -115,8 +118,11 @@ def _sample_smollm2(args) -> int:
     try:
         if args.chat and not args.prompt:
             raise ValueError("--chat needs --prompt: the user's message")
+        if args.quantized and args.adapter:
+            raise ValueError("--adapter merges LoRA's update into float32 weights; it cannot be used with "
+                             "--quantized, whose weights stay in their GGUF blocks")
         device = _sample_device(args)
-        model, tokenizer = load_smollm2()
+        model, tokenizer = load_smollm2(keep_quantized=args.quantized)
         if args.adapter:
             from groundup.finetuning import load_adapters
 
@@ -167,6 +173,10 @@ def _sample_pretrained(args) -> int:
         return _sample_smollm2(args)
     if getattr(args, "adapter", None):
         print("error: --adapter needs --pretrained smollm2 (the base groundup finetune adapts)", file=sys.stderr)
+        return 2
+    if args.quantized:
+        print("error: --quantized needs --pretrained smollm2 (a GGUF file's blocks; GPT-2's weights are float32)",
+              file=sys.stderr)
         return 2
     if args.chat:
         print("error: --chat needs --pretrained smollm2 (the chat model)", file=sys.stderr)
@@ -242,8 +252,9 @@ def sample_command(args) -> int:
         return 2
     if args.pretrained is not None:
         return _sample_pretrained(args)
-    if args.chat or args.adapter:
-        print(f"error: {'--chat' if args.chat else '--adapter'} needs --pretrained smollm2", file=sys.stderr)
+    if args.chat or args.adapter or args.quantized:
+        flag = "--chat" if args.chat else "--adapter" if args.adapter else "--quantized"
+        print(f"error: {flag} needs --pretrained smollm2", file=sys.stderr)
         return 2
     folder = Path(args.run).expanduser()
     try:

@@ -1,7 +1,9 @@
 """SmolLM2-135M-Instruct in the book's GPT versus ``transformers``' LlamaForCausalLM, on the same GGUF file.
 
-Both models are loaded from the cached ``SmolLM2-135M-Instruct.Q4_1.gguf`` (dequantized to float32 by each
-library), run with the same threads and dtype, and generate greedily: a 64-token prompt (the first 64 tokens of
+Three models are loaded from the cached ``SmolLM2-135M-Instruct.Q4_1.gguf``: the book's GPT dequantized to float32,
+the book's GPT with its matrices kept as blocks (``load_gguf(..., keep_quantized=True)``: ``QuantizedLinear``, one
+byte a weight, computing in float32) and transformers' (dequantized to float32). They run with the same threads and
+generate greedily: a 64-token prompt (the first 64 tokens of
 the Shakespeare corpus), then 128 new tokens. Measured, alternating the two models round by round:
 
 * end to end: each library's own generation call (``groundup.generation.generate``, ``model.generate``);
@@ -12,9 +14,10 @@ the Shakespeare corpus), then 128 new tokens. Measured, alternating the two mode
 Peak memory is measured in two child processes, one per library, as the growth of the peak resident set size
 (``VmHWM``, see :func:`_peak_rss_bytes`) from after the imports to after loading the model and generating: the
 loaded weights, the dequantization's temporaries and the KV cache. The target: ours at least as fast as
-transformers (ratio >= 1.0) with peak memory no higher. Run with ``python -m groundup.bench smollm2``; the main
-entry point of this module (``python -m groundup.bench.smollm2 --memory ours|transformers``) is what the child
-processes run.
+transformers (ratio >= 1.0) with peak memory no higher; the kept-quantized model's loaded parameters and buffers at
+most 0.4x the float32 model's, and its decode at least 0.5x as fast. Run with ``python -m groundup.bench smollm2``;
+the main entry point of this module (``python -m groundup.bench.smollm2 --memory ours|quantized|transformers``) is
+what the child processes run.
 """
 
 from __future__ import annotations
@@ -46,6 +49,20 @@ def load_ours():
     from groundup.pretrained import load_smollm2
 
     return load_smollm2()
+
+
+def load_quantized():
+    from groundup.pretrained import load_smollm2
+
+    return load_smollm2(keep_quantized=True)
+
+
+def loaded_bytes(model) -> int:
+    """Bytes of a model's parameters and buffers, each storage counted once (a tied matrix is one)."""
+    storages = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def load_transformers():
@@ -143,8 +160,8 @@ def memory_child(which: str, ids: list[int]) -> dict:
 
     idx = torch.tensor([ids])
     before = _peak_rss_bytes()
-    if which == "ours":
-        model, _ = load_ours()
+    if which in ("ours", "quantized"):
+        model, _ = load_ours() if which == "ours" else load_quantized()
         generate_ours(model, idx)
     else:
         generate_transformers(load_transformers(), idx)
@@ -163,6 +180,7 @@ def _memory(which: str, ids: list[int]) -> int | None:
 def _speed_rows() -> tuple[list[Row], list[int]]:
     """Both models in this process, timed alternately: end to end, then prefill and decode separately."""
     model, tok = load_ours()
+    quantized, _ = load_quantized()
     hf = load_transformers()
     idx = _prompt(tok)
     threads = torch.get_num_threads()
@@ -171,29 +189,45 @@ def _speed_rows() -> tuple[list[Row], list[int]]:
     def ours():
         results["ours"] = generate_ours(model, idx)
 
+    def kept():
+        results["quantized"] = generate_ours(quantized, idx)
+
     def theirs():
         results["transformers"] = generate_transformers(hf, idx)
 
-    times = alternate({"ours": ours, "transformers": theirs}, repeat=ROUNDS, warmup=1)
+    times = alternate({"ours": ours, "quantized": kept, "transformers": theirs}, repeat=ROUNDS, warmup=1)
     same = torch.equal(results["ours"], results["transformers"])
     rows = []
     what = f"SmolLM2-135M float32, {threads} threads, {PROMPT_TOKENS}-token prompt + {NEW_TOKENS} greedy tokens"
-    for name, label in (("ours", "book's GPT (generate)"), ("transformers", "transformers LlamaForCausalLM")):
+    for name, label in (("ours", "book's GPT (generate)"), ("quantized", "book's GPT, kept quantized"),
+                        ("transformers", "transformers LlamaForCausalLM")):
         t = sorted(times[name])[len(times[name]) // 2]
         rows.append(Row(f"{label}: {what}" if name == "ours" else f"  {label}", NEW_TOKENS / t, "tokens/s",
                         f"{t:.2f} s median of {ROUNDS}"))
     rows.append(ratio_row("  speed of ours / transformers", times["transformers"], times["ours"], "transformers",
                           f"target >= 1.0x; same {NEW_TOKENS} tokens: {'yes' if same else 'no'}"))
-    split = {"ours": [], "transformers": []}
+    same_q = torch.equal(results["ours"], results["quantized"])
+    rows.append(ratio_row("  speed of kept-quantized / float32 (ours)", times["ours"], times["quantized"], "float32",
+                          f"target >= 0.5x; same {NEW_TOKENS} tokens: {'yes' if same_q else 'no'}"))
+    rows.append(Row("  loaded parameters + buffers, kept-quantized / float32",
+                    loaded_bytes(quantized) / loaded_bytes(model), "x",
+                    f"{loaded_bytes(quantized) / 2**20:.0f} MiB against {loaded_bytes(model) / 2**20:.0f} MiB; "
+                    "target <= 0.4x"))
+    split = {"ours": [], "quantized": [], "transformers": []}
     fns = {"ours": lambda: split["ours"].append(prefill_decode_ours(model, idx)),
+           "quantized": lambda: split["quantized"].append(prefill_decode_ours(quantized, idx)),
            "transformers": lambda: split["transformers"].append(prefill_decode_transformers(hf, idx))}
     alternate(fns, repeat=ROUNDS, warmup=0)
-    for name in ("ours", "transformers"):
+    for name in ("ours", "quantized", "transformers"):
         prefill = sorted(p for p, _ in split[name])[ROUNDS // 2]
         decode = sorted(d for _, d in split[name])[ROUNDS // 2] / (NEW_TOKENS - 1)
         rows.append(Row(f"  prefill of {PROMPT_TOKENS} tokens, {name}", prefill * 1e3, "ms",
                         f"{PROMPT_TOKENS / prefill:.0f} tokens/s"))
         rows.append(Row(f"  decode per token (KV cache), {name}", decode * 1e3, "ms", f"{1 / decode:.1f} tokens/s"))
+    rows.append(ratio_row("  decode speed, kept-quantized / float32", [d for _, d in split["ours"]],
+                          [d for _, d in split["quantized"]], "float32", "target >= 0.5x, aim 1x"))
+    rows.append(ratio_row("  prefill speed, kept-quantized / float32", [p for p, _ in split["ours"]],
+                          [p for p, _ in split["quantized"]], "float32", "reported, no target"))
     return rows, idx[0].tolist()
 
 
@@ -201,8 +235,8 @@ def run() -> list[Row]:
     import transformers  # noqa: F401  (a missing optional dependency skips the section)
 
     rows, ids = _speed_rows()  # the models are freed when it returns
-    memory = {name: _memory(name, ids) for name in ("ours", "transformers")}
-    for name in ("ours", "transformers"):
+    memory = {name: _memory(name, ids) for name in ("ours", "quantized", "transformers")}
+    for name in ("ours", "quantized", "transformers"):
         if memory[name] is not None:
             rows.append(Row(f"  peak RSS growth (load + generate), {name}", memory[name] / 2**20, "MiB",
                             "child process, from after the imports"))
@@ -214,7 +248,7 @@ def run() -> list[Row]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--memory", choices=("ours", "transformers"), required=True)
+    parser.add_argument("--memory", choices=("ours", "quantized", "transformers"), required=True)
     parser.add_argument("--ids", required=True, help="the prompt's token ids, comma-separated")
     args = parser.parse_args(argv)
     print(json.dumps(memory_child(args.memory, [int(i) for i in args.ids.split(",")])))

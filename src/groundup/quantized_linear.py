@@ -1,0 +1,180 @@
+"""A linear layer that keeps its weights as GGUF blocks and computes from them (chapter 12).
+
+Dequantizing a GGUF file to float32 (:func:`groundup.pretrained.load_gguf`) makes every weight 4 bytes again:
+SmolLM2's 98 MB file becomes a 538 MB model. :class:`QuantizedLinear` keeps what a block holds instead: the small
+integers ``q``, one byte each (int8; 4- and 5-bit values are unpacked from their nibbles once, at load), and per
+group of 16 or 32 weights the float32 step ``d`` (times the k-quants' sub-block scale) and, where the type has one,
+the offset ``m`` (minus ``dmin m_j`` for the k-quants), so that
+
+    W[o, i] = q[o, i] * step[o, i // group] (+ offset[o, i // group])
+
+exactly as :func:`groundup.quantization.dequantize` computes it, bit for bit. That is 1.25 to 1.5 bytes a weight.
+
+``forward`` never holds the float32 matrix: it dequantizes ``q * step`` a slice of rows at a time
+(``SLICE_ELEMENTS`` weights, a multiple of 32 rows, 2 MB of float32) into a buffer the cache keeps, and multiplies
+``x`` by it with :func:`groundup.linear.linear` into the slice of the output those rows make. The offsets need no pass
+over the matrix: an offset is shared by the group's weights, so its part of ``x W^T`` is ``offset[o, g]`` times the
+sum of ``x`` over group g, one small matrix product for all rows (``x_sums @ offset^T``). The result equals
+``F.linear(x, dequantize(...))`` to float32 rounding (the sums are added in another order), not bit for bit.
+
+:class:`QuantizedEmbedding` is the row lookup ``W_E[ids]`` from the same numbers; a tied unembedding shares them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from groundup import kquants, quantization
+from groundup.linear import linear
+
+__all__ = ["BLOCK_TYPES", "QuantizedEmbedding", "QuantizedLinear", "SLICE_ELEMENTS", "block_parts"]
+
+#: Weights dequantized per slice of rows in ``forward`` (2 MB of float32; rounded down to a multiple of 32 rows).
+SLICE_ELEMENTS = 1 << 19
+#: The GGML types kept as blocks (the others, F32, F16 and BF16, are plain numbers).
+BLOCK_TYPES = tuple(t for t in quantization.TYPE_NAMES
+                    if t not in (quantization.F32, quantization.F16, quantization.BF16))
+
+
+def block_parts(raw: torch.Tensor, ggml_type: int, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                                      int]:
+    """A block-quantized tensor's bytes -> ``(q, step, offset, group)`` in the tensor's shape ``(rows, cols)``:
+    ``q`` int8 ``(rows, cols)``, ``step`` and ``offset`` float32 ``(rows, cols / group)`` (``offset`` None for the
+    types without a minimum), ``group`` 16 or 32. ``q * step + offset`` is ``quantization.dequantize``'s result."""
+    ggml_type = quantization._check_type(ggml_type)
+    shape = quantization._check_shape(shape, ggml_type)
+    if len(shape) != 2 or ggml_type in (quantization.F32, quantization.F16, quantization.BF16):
+        raise ValueError(f"block_parts takes a 2-D block-quantized tensor, got {quantization.TYPE_NAMES[ggml_type]} "
+                         f"of shape {shape}")
+    blocks = quantization._check_raw(raw, ggml_type, shape)
+    rows, cols = shape
+    if ggml_type in kquants.DECODERS:
+        q, step, offset, group = kquants.parts(blocks, ggml_type)
+    else:
+        group, f16 = quantization.BLOCK_SIZE, quantization._float16_from_bytes
+        if ggml_type == quantization.Q8_0:
+            q, step, offset = blocks[:, 2:].contiguous().view(torch.int8), f16(blocks[:, :2]), None
+        elif ggml_type == quantization.Q4_0:
+            q, step, offset = quantization.unpack_nibbles(blocks[:, 2:]).to(torch.int8) - 8, f16(blocks[:, :2]), None
+        elif ggml_type == quantization.Q5_0:
+            q = quantization._with_fifth_bits(blocks[:, 2:6], blocks[:, 6:]).to(torch.int8) - 16
+            step, offset = f16(blocks[:, :2]), None
+        else:  # Q4_1, Q5_1: q d + m
+            step, offset = f16(blocks[:, :4]).view(-1, 2).unbind(dim=1)
+            packed = blocks[:, 4:] if ggml_type == quantization.Q4_1 else None
+            q = (quantization.unpack_nibbles(packed) if packed is not None
+                 else quantization._with_fifth_bits(blocks[:, 4:8], blocks[:, 8:])).to(torch.int8)
+    return (q.reshape(rows, cols).contiguous(), step.reshape(rows, -1).contiguous(),
+            None if offset is None else offset.reshape(rows, -1).contiguous(), group)
+
+
+_scratch: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _scratch_buffer(n: int, device: torch.device) -> torch.Tensor:
+    """A float32 buffer of at least ``n`` numbers, kept between calls (per device and thread): PyTorch's CPU allocator
+    returns large blocks to the system, so a fresh 2 MB buffer per layer call would be page-faulted in anew every
+    time (measured: decode 2-3x slower and erratic). Forward passes in one thread use it one layer at a time."""
+    key = (device, threading.get_ident())
+    buffer = _scratch.get(key)
+    if buffer is None or buffer.numel() < n:
+        buffer = _scratch[key] = torch.empty(n, device=device)
+    return buffer
+
+
+class _BlockWeight(nn.Module):
+    """The numbers of a block-quantized ``(rows, cols)`` matrix as buffers, and its rows dequantized on demand."""
+
+    def __init__(self, q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor | None, group: int,
+                 ggml_type: int):
+        super().__init__()
+        self.register_buffer("q", q)
+        self.register_buffer("step", step)
+        self.register_buffer("offset", offset)
+        self.group = group
+        self.ggml_type = ggml_type
+
+    def rows(self, index) -> torch.Tensor:
+        """Rows ``index`` (a slice or a tensor of indices) of the matrix, float32, ``q * step + offset``."""
+        q, step = self.q[index], self.step[index]
+        w = torch.mul(q.view(*q.shape[:-1], -1, self.group), step.unsqueeze(-1))
+        if self.offset is not None:
+            w.add_(self.offset[index].unsqueeze(-1))
+        return w.view(q.shape)
+
+    def scaled_rows_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """``q * step`` (no offset) of rows ``start:stop`` into the float32 buffer ``out``, as ``(rows, cols)``."""
+        n, cols = stop - start, self.q.shape[1]
+        w = out[:n * cols].view(n, -1, self.group)
+        torch.mul(self.q[start:stop].view(n, -1, self.group), self.step[start:stop].unsqueeze(-1), out=w)
+        return w.view(n, cols)
+
+    def n_bytes(self) -> int:
+        """Bytes these buffers take."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.step, self.offset) if t is not None)
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x W^T`` (no bias) with ``W`` (``out_features x in_features``) kept as GGUF block numbers.
+
+    Build it with :meth:`from_gguf` from a tensor's bytes; ``weight`` dequantizes the whole matrix (for checks only:
+    ``forward`` never does)."""
+
+    def __init__(self, numbers: _BlockWeight):
+        super().__init__()
+        self.numbers = numbers
+        self.out_features, self.in_features = numbers.q.shape
+        rows = max(32, SLICE_ELEMENTS // self.in_features // 32 * 32)
+        self.rows_per_slice = min(rows, self.out_features)
+
+    @classmethod
+    def from_gguf(cls, raw: torch.Tensor, ggml_type: int, shape) -> QuantizedLinear:
+        """From a GGUF tensor's bytes (1-D uint8), its GGML type and its PyTorch shape ``(out, in)``."""
+        return cls(_BlockWeight(*block_parts(raw, ggml_type, shape), ggml_type=int(ggml_type)))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.numbers.rows(slice(None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError(f"QuantizedLinear computes in float32, got x of dtype {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"x must have shape [..., {self.in_features}], got {tuple(x.shape)}")
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        buffer = _scratch_buffer(self.rows_per_slice * self.in_features, x.device)
+        for start in range(0, self.out_features, self.rows_per_slice):
+            stop = min(start + self.rows_per_slice, self.out_features)
+            out[..., start:stop] = linear(x, self.numbers.scaled_rows_into(start, stop, buffer))
+        if self.numbers.offset is not None:  # sum_i offset[o, i // group] x_i = sum_g offset[o, g] (sum of group g)
+            sums = x.view(*x.shape[:-1], -1, self.numbers.group).sum(dim=-1)
+            out += sums @ self.numbers.offset.T
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"type={quantization.TYPE_NAMES[self.numbers.ggml_type]}")
+
+
+class QuantizedEmbedding(nn.Module):
+    """The lookup ``W_E[ids]`` from block numbers (shared with a tied :class:`QuantizedLinear` unembedding)."""
+
+    def __init__(self, numbers: _BlockWeight):
+        super().__init__()
+        self.numbers = numbers
+        self.vocab_size, self.d_model = numbers.q.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise TypeError(f"ids must have an integer dtype (e.g. torch.long), got {ids.dtype}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"ids must lie in [0, {self.vocab_size - 1}] (vocab_size={self.vocab_size}), got {bad}")
+        return self.numbers.rows(ids.long())
+
+    def extra_repr(self) -> str:
+        return (f"vocab_size={self.vocab_size}, d_model={self.d_model}, "
+                f"type={quantization.TYPE_NAMES[self.numbers.ggml_type]}")
