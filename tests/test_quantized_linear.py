@@ -128,3 +128,30 @@ def test_a_gguf_model_kept_quantized_computes_what_the_float32_one_does(tmp_path
     with pytest.raises(ValueError, match="keep_quantized=True computes in float32"):
         load_gguf(tmp_path / "small.gguf", keep_quantized=True, dtype=torch.bfloat16)
     np.testing.assert_array_equal(kept.final_norm.weight.detach().numpy(), dense.final_norm.weight.detach().numpy())
+
+
+def test_inference_mode_gradients_and_a_converted_model():
+    raw, ggml_type = _raw("Q4_1", 300, 64)
+    layer = QuantizedLinear.from_gguf(raw, ggml_type, (300, 64))
+    layer.rows_per_slice = 128  # three slices
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():  # a scratch buffer first made here must still serve outside inference mode
+        inside = layer(x)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), inside)
+    w = Q.dequantize(raw, ggml_type, (300, 64))
+    x.requires_grad_(True)
+    layer(x).square().sum().backward()  # the slices autograd keeps are not overwritten by the next ones
+    expected = x.detach().clone().requires_grad_(True)
+    F.linear(expected, w).square().sum().backward()
+    torch.testing.assert_close(x.grad, expected.grad, rtol=1e-4, atol=1e-5)
+    layer.to(torch.bfloat16)
+    with pytest.raises(TypeError, match="block steps are torch.bfloat16, not float32.*load it again"):
+        layer(x.detach())
+
+
+def test_a_nan_scale_is_refused_when_kept_quantized_too():
+    raw, ggml_type = _raw("Q8_0", 2, 32)
+    raw[:2] = torch.tensor([np.nan], dtype=torch.float16).view(torch.uint8)
+    with pytest.raises(ValueError, match="holds a NaN or infinite step"):
+        block_parts(raw, ggml_type, (2, 32))

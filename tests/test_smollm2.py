@@ -10,6 +10,7 @@ import hashlib
 import io
 import zipfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -206,22 +207,51 @@ def test_a_zero_size_is_refused_naming_the_key(path, key):
         gguf_config(meta, [])
 
 
-def test_a_file_of_metadata_only_is_refused_before_the_model_is_built(tmp_path):
-    # A hostile probe's file: sizes of a model far larger than the machine (a 2**31-token embedding of width 2048
-    # is 16 TiB of float32), and no tensors. Building the model first ended in the allocator's RuntimeError; the
-    # shapes come from the meta device now, so the missing tensor is named instead.
+def _hostile_llama_file(path, sizes: dict, tensors: dict):
     gguf = pytest.importorskip("gguf")
-    writer = gguf.GGUFWriter(tmp_path / "hostile.gguf", "llama")
-    for key, value in {"embedding_length": 2048, "block_count": 8, "feed_forward_length": 8192,
-                       "attention.head_count": 16, "context_length": 2048, "vocab_size": 2**31}.items():
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in sizes.items():
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for name, value in tensors.items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(CheckpointError, match="hostile.gguf is missing tensor 'token_embd.weight'"):
-        load_gguf(tmp_path / "hostile.gguf")
+    return path
+
+
+def test_a_file_claiming_a_huge_model_is_refused_before_the_model_is_built(tmp_path):
+    # A hostile probe's files. Sizes of a model far larger than the machine (a 2**31-token embedding of width 2048 is
+    # 16 TiB of float32) with a few tiny tensors: building the model first ended in the allocator's RuntimeError;
+    # the shapes come from the meta device now. And a depth of 2**32 - 1 blocks with no tensors: naming 9 tensors a
+    # block first took seconds per thousand blocks; the count is checked against the file's table before that.
+    sizes = {"embedding_length": 2048, "block_count": 1, "feed_forward_length": 8192, "attention.head_count": 16,
+             "context_length": 2048, "vocab_size": 2**31}
+    tiny = {name: np.zeros(32, dtype=np.float32) for name in [
+        "token_embd.weight", "output_norm.weight", *(f"blk.0.{t}.weight" for t in (
+            "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"))]}
+    wide = _hostile_llama_file(tmp_path / "wide.gguf", sizes, tiny)
+    with pytest.raises(CheckpointError, match=r"'token_embd.weight' has shape \(32,\), expected \(2147483648, 2048\)"):
+        load_gguf(wide)
+    deep = _hostile_llama_file(tmp_path / "deep.gguf", {**sizes, "vocab_size": 64, "block_count": 2**32 - 1}, {})
+    for keep in (False, True):
+        with pytest.raises(CheckpointError, match=r"deep.gguf: llama.block_count = 4294967295 needs "
+                                                  r"38,654,705,657 tensors, the file has 0"):
+            load_gguf(deep, keep_quantized=keep)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("llama.rope.freq_base", "abc", r"'llama.rope.freq_base' = 'abc' is not a float"),
+    ("llama.attention.head_count_kv", 7, "the GGUF metadata does not make a model: .*n_kv_heads"),
+])
+def test_metadata_of_the_wrong_kind_is_named(path, key, value, message):
+    from groundup.gguf import read_gguf
+
+    meta = {**read_gguf(path).metadata, key: value}
+    with pytest.raises(CheckpointError, match=message):
+        gguf_config(meta, [])
 
 
 # ---- tokenizer ------------------------------------------------------------------------------------------------
@@ -391,12 +421,23 @@ def test_cli_chat_needs_smollm2_and_a_prompt(smollm2, monkeypatch, capsys, tmp_p
     assert "cannot be used with --quantized" in capsys.readouterr().err
 
 
-def test_cli_samples_the_kept_quantized_model(capsys):
-    from groundup import cli
+def test_cli_samples_the_kept_quantized_model(capsys, monkeypatch):
+    from groundup import cli, pretrained
+    from groundup.quantized_linear import QuantizedLinear
 
+    loaded = []
+
+    def spy(**kwargs):  # the real loader, remembering what it was asked and what it built
+        loaded.append((kwargs, real(**kwargs)[0]))
+        return loaded[-1][1], tok
+
+    real, tok = pretrained.load_smollm2, pretrained.load_smollm2()[1]
+    monkeypatch.setattr(pretrained, "load_smollm2", spy)
     assert cli.main(["sample", "--pretrained", "smollm2", "--quantized", "--chat", "--greedy", "--tokens", "10",
                      "--prompt", "What is the capital of France?"]) == 0
     assert "Paris" in capsys.readouterr().out
+    (kwargs, model), = loaded
+    assert kwargs == {"keep_quantized": True} and isinstance(model.blocks[0].ffn.W_in, QuantizedLinear)
 
 
 def test_cli_data_smollm2(capsys):

@@ -127,9 +127,16 @@ def decode_q6_k(blocks: torch.Tensor) -> torch.Tensor:
 DECODERS = {Q2_K: decode_q2_k, Q3_K: decode_q3_k, Q4_K: decode_q4_k, Q5_K: decode_q5_k, Q6_K: decode_q6_k}
 
 
+def _check_k_type(ggml_type) -> int:
+    if ggml_type not in BLOCK_BYTES:
+        raise ValueError(f"ggml_type must be a k-quant type ({', '.join(f'{n}={t}' for t, n in TYPE_NAMES.items())}), "
+                         f"got {ggml_type!r}")
+    return ggml_type
+
+
 def decode(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """Super-blocks ``(n, BLOCK_BYTES[ggml_type])`` uint8 -> their weights, ``(n, 256)`` float32."""
-    return DECODERS[ggml_type](blocks)
+    return DECODERS[_check_k_type(ggml_type)](blocks)
 
 
 def parts(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -169,7 +176,8 @@ def parts(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Ten
         high = _bits(qh.reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, QK_K)
         step = _float16(d)[:, None] * scales.contiguous().view(torch.int8).to(torch.float32)
         return (low | (high << 4)).to(torch.int8) - 32, step, None, 16
-    raise ValueError(f"not a k-quant type: {ggml_type!r}")
+    _check_k_type(ggml_type)
+    raise AssertionError("unreachable: every k-quant type is handled above")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,4 +297,4 @@ ENCODERS = {Q2_K: encode_q2_k, Q3_K: encode_q3_k, Q4_K: encode_q4_k, Q5_K: encod
 
 def encode(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """Rows of 256 finite float32 weights ``(n, 256)`` -> super-blocks ``(n, BLOCK_BYTES[ggml_type])`` uint8."""
-    return ENCODERS[ggml_type](x)
+    return ENCODERS[_check_k_type(ggml_type)](x)

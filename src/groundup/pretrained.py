@@ -611,22 +611,25 @@ def gguf_config(metadata: dict, tensor_names) -> GPTConfig:
         raise CheckpointError(f"embedding_length {d} is not a multiple of attention.head_count {n_heads}")
     rot = metadata.get(p + "rope.dimension_count", d // n_heads)
     if rot != d // n_heads:
-        raise CheckpointError(f"rope.dimension_count {rot} != head size {d // n_heads}: partial RoPE is not "
+        raise CheckpointError(f"rope.dimension_count {rot!r} != head size {d // n_heads}: partial RoPE is not "
                               "supported")
+    base = _meta(metadata, p + "rope.freq_base", (float, int)) if p + "rope.freq_base" in metadata else 10000.0
     if metadata.get(p + "rope.scaling.type", "none") != "none":
         raise CheckpointError(f"rope.scaling.type {metadata[p + 'rope.scaling.type']!r} is not supported")
     vocab = (_size(metadata, p + "vocab_size") if p + "vocab_size" in metadata
              else len(_meta(metadata, "tokenizer.ggml.tokens", (list,))))
     n_kv_heads = _size(metadata, p + "attention.head_count_kv") if p + "attention.head_count_kv" in metadata \
         else n_heads
-    return GPTConfig(vocab_size=vocab, context_length=_size(metadata, p + "context_length"), d_model=d,
-                     n_layers=_size(metadata, p + "block_count"), n_heads=n_heads,
-                     d_ff=_size(metadata, p + "feed_forward_length"), positional="rope",
-                     rope_pairing="interleaved", rope_base=float(metadata.get(p + "rope.freq_base", 10000.0)),
-                     norm="rmsnorm", norm_position="pre", activation="swiglu", bias=False,
-                     n_kv_heads=n_kv_heads,
-                     tie_weights="output.weight" not in tensor_names,
-                     norm_eps=float(_meta(metadata, p + "attention.layer_norm_rms_epsilon", (float,))))
+    sizes = {"context_length": _size(metadata, p + "context_length"), "n_layers": _size(metadata, p + "block_count"),
+             "d_ff": _size(metadata, p + "feed_forward_length")}
+    eps = float(_meta(metadata, p + "attention.layer_norm_rms_epsilon", (float,)))
+    try:  # what GPTConfig itself refuses (heads that do not divide, ...) is the file's fault: say so
+        return GPTConfig(vocab_size=vocab, d_model=d, n_heads=n_heads, n_kv_heads=n_kv_heads, **sizes,
+                         positional="rope", rope_pairing="interleaved", rope_base=float(base), norm="rmsnorm",
+                         norm_position="pre", activation="swiglu", bias=False,
+                         tie_weights="output.weight" not in tensor_names, norm_eps=eps)
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"the GGUF metadata does not make a model: {err}") from None
 
 
 def gguf_tensor_names(config: GPTConfig) -> dict[str, str]:
@@ -672,8 +675,16 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     """
     from groundup.gguf import read_gguf
 
+    if not isinstance(keep_quantized, bool):
+        raise TypeError(f"keep_quantized must be True or False, got {keep_quantized!r}")
+    if keep_quantized and dtype != torch.float32:
+        raise ValueError(f"keep_quantized=True computes in float32; dtype must be torch.float32, got {dtype}")
     gguf = read_gguf(path)
     config = gguf_config(gguf.metadata, gguf.tensors)
+    needed = 9 * config.n_layers + 2 + (not config.tie_weights)  # 9 tensors a block, the embedding, the final norm
+    if needed > len(gguf.tensors):  # before any work that grows with the claimed depth
+        raise CheckpointError(f"{Path(path).name}: llama.block_count = {config.n_layers} needs {needed:,} tensors, "
+                              f"the file has {len(gguf.tensors):,}")
     names = gguf_tensor_names(config)
     with torch.device("meta"):  # shapes only: a file's metadata may claim a model larger than the machine
         shapes = {name: tuple(p.shape) for name, p in GPT(config).named_parameters()}
@@ -689,8 +700,6 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     # Every tensor is in the file with the model's shape (the reader checked it lies inside the file): only now is
     # the model built, its random initial values all overwritten below.
     if keep_quantized:
-        if dtype != torch.float32:
-            raise ValueError(f"keep_quantized=True computes in float32; dtype must be torch.float32, got {dtype}")
         return _quantized_gpt(gguf, config, names), gguf_tokenizer(gguf.metadata)
     model = GPT(config)
     params = dict(model.named_parameters())
@@ -702,6 +711,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
 
 def _quantized_gpt(gguf, config: GPTConfig, names: dict[str, str]) -> GPT:
     """The GPT of a checked GGUF file with its block-quantized matrices kept as blocks (see :func:`load_gguf`)."""
+    from groundup.gguf import GGUFError
     from groundup.positional import RotaryEmbedding
     from groundup.quantized_linear import BLOCK_TYPES, QuantizedEmbedding, QuantizedLinear, _BlockWeight, block_parts
 
@@ -714,8 +724,11 @@ def _quantized_gpt(gguf, config: GPTConfig, names: dict[str, str]) -> GPT:
         parent_name, _, child = owner_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if info.ggml_type in BLOCK_TYPES and attr == "weight" and len(info.shape) == 2:
-            numbers = _BlockWeight(*block_parts(gguf.raw(theirs), info.ggml_type, info.shape),
-                                   ggml_type=info.ggml_type)
+            try:
+                numbers = _BlockWeight(*block_parts(gguf.raw(theirs), info.ggml_type, info.shape),
+                                       ggml_type=info.ggml_type)
+            except ValueError as err:
+                raise GGUFError(f"{gguf.path.name}: tensor {theirs!r}: {err}") from None
             if owner_name == "token_embedding":
                 model.token_embedding = QuantizedEmbedding(numbers)
                 if config.tie_weights:
@@ -723,7 +736,7 @@ def _quantized_gpt(gguf, config: GPTConfig, names: dict[str, str]) -> GPT:
             else:
                 setattr(parent, child, QuantizedLinear(numbers))
         else:
-            value = gguf.tensor(theirs)
+            value = gguf.tensor(theirs).clone()  # F32 tensors are views of the mapped file: not kept alive by it
             if owner_name == "token_embedding" and config.tie_weights:  # a plain-float tied embedding
                 model.token_embedding.weight = nn.Parameter(value, requires_grad=False)
                 model.unembedding.weight = model.token_embedding.weight

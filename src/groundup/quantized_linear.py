@@ -8,13 +8,14 @@ the offset ``m`` (minus ``dmin m_j`` for the k-quants), so that
 
     W[o, i] = q[o, i] * step[o, i // group] (+ offset[o, i // group])
 
-exactly as :func:`groundup.quantization.dequantize` computes it, bit for bit. That is 1.25 to 1.5 bytes a weight.
+exactly as :func:`groundup.quantization.dequantize` computes it, bit for bit. That is 1.125 to 1.5 bytes a weight (an
+int8 per weight, 4 bytes of step per group of 32 or 16, as many again for an offset).
 
-``forward`` never holds the float32 matrix: it dequantizes ``q * step`` a slice of rows at a time
-(``SLICE_ELEMENTS`` weights, a multiple of 32 rows, 2 MB of float32) into a buffer the cache keeps, and multiplies
-``x`` by it with :func:`groundup.linear.linear` into the slice of the output those rows make. The offsets need no pass
-over the matrix: an offset is shared by the group's weights, so its part of ``x W^T`` is ``offset[o, g]`` times the
-sum of ``x`` over group g, one small matrix product for all rows (``x_sums @ offset^T``). The result equals
+``forward`` never holds the float32 matrix: it dequantizes ``q * step`` a slice of rows at a time (``SLICE_ELEMENTS``
+weights, a multiple of 32 rows: 2 MB of float32 for rows of up to 16,384 numbers) into a buffer the cache keeps, and
+multiplies ``x`` by it with :func:`groundup.linear.linear` into the slice of the output those rows make. The offsets
+need no pass over the matrix: an offset is shared by the group's weights, so its part of ``x W^T`` is ``offset[o, g]``
+times the sum of ``x`` over group g, one small matrix product for all rows (``x_sums @ offset^T``). The result equals
 ``F.linear(x, dequantize(...))`` to float32 rounding (the sums are added in another order), not bit for bit.
 
 :class:`QuantizedEmbedding` is the row lookup ``W_E[ids]`` from the same numbers; a tied unembedding shares them.
@@ -67,21 +68,27 @@ def block_parts(raw: torch.Tensor, ggml_type: int, shape) -> tuple[torch.Tensor,
             packed = blocks[:, 4:] if ggml_type == quantization.Q4_1 else None
             q = (quantization.unpack_nibbles(packed) if packed is not None
                  else quantization._with_fifth_bits(blocks[:, 4:8], blocks[:, 8:])).to(torch.int8)
+    for name, value in (("step", step), ("offset", offset)):
+        if value is not None and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{quantization.TYPE_NAMES[ggml_type]} data of shape {shape} holds a NaN or infinite "
+                             f"{name} (a NaN or infinite float16 scale in the bytes)")
     return (q.reshape(rows, cols).contiguous(), step.reshape(rows, -1).contiguous(),
             None if offset is None else offset.reshape(rows, -1).contiguous(), group)
 
 
-_scratch: dict[tuple[torch.device, int], torch.Tensor] = {}
+_scratch = threading.local()  # per thread: {device: float32 buffer}; freed with its thread
 
 
 def _scratch_buffer(n: int, device: torch.device) -> torch.Tensor:
     """A float32 buffer of at least ``n`` numbers, kept between calls (per device and thread): PyTorch's CPU allocator
     returns large blocks to the system, so a fresh 2 MB buffer per layer call would be page-faulted in anew every
-    time (measured: decode 2-3x slower and erratic). Forward passes in one thread use it one layer at a time."""
-    key = (device, threading.get_ident())
-    buffer = _scratch.get(key)
+    time (measured: decode 2-3x slower and erratic). Forward passes in one thread use it one layer at a time. It is
+    made outside inference mode (an inference tensor could not be written outside it later) and always float32."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(device)
     if buffer is None or buffer.numel() < n:
-        buffer = _scratch[key] = torch.empty(n, device=device)
+        with torch.inference_mode(False):
+            buffer = buffers[device] = torch.empty(n, dtype=torch.float32, device=device)
     return buffer
 
 
@@ -105,12 +112,23 @@ class _BlockWeight(nn.Module):
             w.add_(self.offset[index].unsqueeze(-1))
         return w.view(q.shape)
 
-    def scaled_rows_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        """``q * step`` (no offset) of rows ``start:stop`` into the float32 buffer ``out``, as ``(rows, cols)``."""
+    def scaled_rows_into(self, start: int, stop: int, out: torch.Tensor | None) -> torch.Tensor:
+        """``q * step`` (no offset) of rows ``start:stop`` as ``(rows, cols)``: into the float32 buffer ``out``, or a
+        new tensor when ``out`` is None."""
         n, cols = stop - start, self.q.shape[1]
+        q, step = self.q[start:stop].view(n, -1, self.group), self.step[start:stop].unsqueeze(-1)
+        if out is None:
+            return torch.mul(q, step).view(n, cols)
         w = out[:n * cols].view(n, -1, self.group)
-        torch.mul(self.q[start:stop].view(n, -1, self.group), self.step[start:stop].unsqueeze(-1), out=w)
+        torch.mul(q, step, out=w)
         return w.view(n, cols)
+
+    def check_float32(self, what: str) -> None:
+        """The steps and offsets must still be float32 (``model.to(torch.bfloat16)`` would have rounded them)."""
+        if self.step.dtype != torch.float32 or (self.offset is not None and self.offset.dtype != torch.float32):
+            raise TypeError(f"{what}'s block steps are {self.step.dtype}, not float32: a kept-quantized model computes "
+                            "in float32 and its steps must stay so (do not call model.to(dtype), .half() or "
+                            ".bfloat16() on it; load it again)")
 
     def n_bytes(self) -> int:
         """Bytes these buffers take."""
@@ -144,8 +162,11 @@ class QuantizedLinear(nn.Module):
             raise TypeError(f"QuantizedLinear computes in float32, got x of dtype {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x must have shape [..., {self.in_features}], got {tuple(x.shape)}")
+        self.numbers.check_float32("QuantizedLinear")
         out = x.new_empty(*x.shape[:-1], self.out_features)
-        buffer = _scratch_buffer(self.rows_per_slice * self.in_features, x.device)
+        # Autograd keeps the slices a product used: with a gradient to compute each needs its own tensor.
+        needs_grad = torch.is_grad_enabled() and x.requires_grad
+        buffer = None if needs_grad else _scratch_buffer(self.rows_per_slice * self.in_features, x.device)
         for start in range(0, self.out_features, self.rows_per_slice):
             stop = min(start + self.rows_per_slice, self.out_features)
             out[..., start:stop] = linear(x, self.numbers.scaled_rows_into(start, stop, buffer))
@@ -173,6 +194,7 @@ class QuantizedEmbedding(nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
             raise ValueError(f"ids must lie in [0, {self.vocab_size - 1}] (vocab_size={self.vocab_size}), got {bad}")
+        self.numbers.check_float32("QuantizedEmbedding")
         return self.numbers.rows(ids.long())
 
     def extra_repr(self) -> str:

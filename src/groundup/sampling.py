@@ -58,7 +58,8 @@ def add_sample_parser(sub) -> None:
                         "refused")
     p.add_argument("--quantized", action="store_true",
                    help="with --pretrained smollm2: keep the matrices in their GGUF blocks and compute from them "
-                        "(QuantizedLinear, chapter 12): about a third of the memory, the same float32 arithmetic")
+                        "(QuantizedLinear, chapter 12): about a third of the memory, float32 arithmetic (equal to "
+                        "rounding)")
     p.add_argument("--chat", action="store_true",
                    help="with --pretrained smollm2: --prompt is a user's message, sent in SmolLM2's chat template; "
                         "prints the assistant's answer (up to --tokens, default 128, or its end-of-turn token)")

@@ -4,7 +4,7 @@ Three models are loaded from the cached ``SmolLM2-135M-Instruct.Q4_1.gguf``: the
 the book's GPT with its matrices kept as blocks (``load_gguf(..., keep_quantized=True)``: ``QuantizedLinear``, one
 byte a weight, computing in float32) and transformers' (dequantized to float32). They run with the same threads and
 generate greedily: a 64-token prompt (the first 64 tokens of
-the Shakespeare corpus), then 128 new tokens. Measured, alternating the two models round by round:
+the Shakespeare corpus), then 128 new tokens. Measured, alternating the models round by round:
 
 * end to end: each library's own generation call (``groundup.generation.generate``, ``model.generate``);
 * prefill: one forward pass over the 64-token prompt into an empty KV cache, unembedding the last position only
@@ -178,7 +178,7 @@ def _memory(which: str, ids: list[int]) -> int | None:
 
 
 def _speed_rows() -> tuple[list[Row], list[int]]:
-    """Both models in this process, timed alternately: end to end, then prefill and decode separately."""
+    """The three models in this process, timed alternately: end to end, then prefill and decode separately."""
     model, tok = load_ours()
     quantized, _ = load_quantized()
     hf = load_transformers()
