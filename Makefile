@@ -89,10 +89,7 @@ book-check: book
 checks: data
 	$(PY) tools/nbval_lanes.py --lanes $(NBVAL_LANES) --unit "tests --ignore=tests/book -q" -- $(NBVAL_ARGS)
 
-# The book's build and browser check read the notebooks' stored outputs, not what the checks compute, so they run
-# beside the checks (make -j2): their mostly single-threaded work fills the lanes' gaps instead of following them.
-test: lint
-	$(MAKE) -j2 checks book-check
+test: lint checks book-check
 
 bench: setup
 	$(PY) -m groundup.bench
