@@ -49,3 +49,23 @@ def test_the_slice_prompts_and_the_book_models_numbers_recomputed(smollm2):
     assert loss == pytest.approx(ENTRY["ours_loss_first_tokens"]["loss"], abs=1e-5)
     plain = ENTRY["ours_vs_transformers"]["greedy"]["plain"]["tokens"][0]
     assert ch12_results.greedy(model, ENTRY["prompts"]["plain"]["ids"])[:8] == plain[:8]
+
+
+def test_the_stored_types_table_adds_up():
+    from groundup import quantization as Q
+
+    table = json.loads(ch12_results.OUT.read_text())["runs"]["quantization-types"]
+    rows = table["rows"]
+    assert list(rows) == ["file", *ch12_results.TYPES]
+    for name in ch12_results.TYPES:
+        by_type = rows[name]["weights_by_type"]
+        assert set(by_type) <= {name, ch12_results.FALLBACK.get(name, name)}
+        # bits per weight from the weights each type got and GGML's bytes per block
+        layouts = {t: Q.BLOCK_LAYOUT[getattr(Q, t, None) or getattr(Q.kquants, t)] for t in by_type}
+        bits = sum(8 * n * layouts[t][1] / layouts[t][0] for t, n in by_type.items()) / sum(by_type.values())
+        assert rows[name]["bits_per_weight"] == pytest.approx(bits, rel=1e-12), name
+    assert ch12_results.type_for("Q4_K", 576) == "Q5_0" and ch12_results.type_for("Q4_K", 1536) == "Q4_K"
+    assert min(ch12_results.TYPES, key=lambda n: rows[n]["relative_rms_error"]) == "Q8_0"
+    assert rows["Q8_0"]["relative_rms_error"] < rows["Q4_0"]["relative_rms_error"] < rows["Q2_K"]["relative_rms_error"]
+    assert table["slice"]["tokens"] == json.loads(ch12_results.OUT.read_text())["runs"][ch12_results.KEY]["slice"][
+        "tokens"]
