@@ -61,7 +61,7 @@ def test_the_stored_types_table_adds_up():
         by_type = rows[name]["weights_by_type"]
         assert set(by_type) <= {name, ch12_results.FALLBACK.get(name, name)}
         # bits per weight from the weights each type got and GGML's bytes per block
-        layouts = {t: Q.BLOCK_LAYOUT[getattr(Q, t, None) or getattr(Q.kquants, t)] for t in by_type}
+        layouts = {t: Q.BLOCK_LAYOUT[Q.TYPE_NUMBERS[t]] for t in by_type}
         bits = sum(8 * n * layouts[t][1] / layouts[t][0] for t, n in by_type.items()) / sum(by_type.values())
         assert rows[name]["bits_per_weight"] == pytest.approx(bits, rel=1e-12), name
     assert ch12_results.type_for("Q4_K", 576) == "Q5_0" and ch12_results.type_for("Q4_K", 1536) == "Q4_K"

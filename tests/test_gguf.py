@@ -234,9 +234,11 @@ def test_k_quant_tensors_are_checked_before_allocating(tmp_path):
 def test_a_nan_scale_is_refused_naming_the_tensor(tmp_path):
     block = np.zeros(34, dtype=np.uint8)
     block[:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
-    f = read_gguf(_file(tmp_path, tensors=[_tensor(b"w", [32], 8, 0)], data=block.tobytes() + b"\0" * 30))
-    with pytest.raises(GGUFError, match=r"tensor 'w': Q8_0 data of shape \(32,\) decodes to 32 NaN"):
+    f = read_gguf(_file(tmp_path, tensors=[_tensor(b"w", [32, 1], 8, 0)], data=block.tobytes() + b"\0" * 30))
+    with pytest.raises(GGUFError, match=r"tensor 'w': Q8_0 data of shape \(1, 32\) decodes to 32 NaN"):
         f.tensor("w")
+    with pytest.raises(GGUFError, match=r"tensor 'w': Q8_0 data of shape \(1, 32\) holds a NaN or infinite step"):
+        f.block_parts("w")  # as load_gguf(keep_quantized=True) reads it
 
 
 def test_too_many_dims(tmp_path):

@@ -48,7 +48,7 @@ def test_type_numbers_and_block_layouts_are_ggmls(name):
     gguf_type = GGMLQuantizationType[name]
     assert getattr(Q, name, None) == int(gguf_type) or getattr(Q.kquants, name) == int(gguf_type)
     assert Q.BLOCK_LAYOUT[int(gguf_type)] == GGML_QUANT_SIZES[gguf_type]
-    assert Q.TYPE_NAMES[int(gguf_type)] == name
+    assert Q.TYPE_NAMES[int(gguf_type)] == name and Q.TYPE_NUMBERS[name] == int(gguf_type)
 
 
 # Where each block type keeps its float16 numbers (byte offsets): random bytes there could be NaN or infinite.

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from groundup import quantization as Q
-from groundup.quantized_linear import BLOCK_TYPES, QuantizedEmbedding, QuantizedLinear, _BlockWeight, block_parts
+from groundup.quantization import BLOCK_TYPES, block_parts
+from groundup.quantized_linear import QuantizedEmbedding, QuantizedLinear, _BlockWeight
 
 NAMES = [Q.TYPE_NAMES[t] for t in BLOCK_TYPES]
 

@@ -158,8 +158,8 @@ def types_table() -> dict:
                     break
                 t = type_for(name, w.shape[1])
                 types[t] = types.get(t, 0) + w.numel()
-                q = Q.round_trip(w, getattr(Q, t) if hasattr(Q, t) else getattr(Q.kquants, t))
-                n_bytes += Q.n_bytes(tuple(w.shape), getattr(Q, t) if hasattr(Q, t) else getattr(Q.kquants, t))
+                q = Q.round_trip(w, Q.TYPE_NUMBERS[t])
+                n_bytes += Q.n_bytes(tuple(w.shape), Q.TYPE_NUMBERS[t])
                 err2 += (q - w).double().pow(2).sum().item()
                 ref2 += w.double().pow(2).sum().item()
                 params[key].copy_(q)

@@ -116,9 +116,17 @@ class GGUFFile:
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name`` dequantized to float32, in PyTorch shape (``dims`` reversed); a NaN or an infinity in it
         (a NaN scale, say) is a :class:`GGUFError` naming the tensor."""
+        return self._read(name, quantization.dequantize)
+
+    def block_parts(self, name: str):
+        """Block-quantized 2-D tensor ``name`` as :func:`groundup.quantization.block_parts` gives it (its int8
+        numbers, steps and offsets, not multiplied out); errors are :class:`GGUFError` s naming the tensor."""
+        return self._read(name, quantization.block_parts)
+
+    def _read(self, name: str, read):
         info = self._info(name)
         try:
-            return quantization.dequantize(self.raw(name), info.ggml_type, info.shape)
+            return read(self.raw(name), info.ggml_type, info.shape)
         except ValueError as err:
             raise GGUFError(f"{self.path.name}: tensor {name!r}: {err}") from None
 

@@ -12,10 +12,11 @@ with ``q`` of 2, 3, 4, 5 or 6 bits. Quantizing the scales too is what brings the
 bits of ``q`` alone: Q4_K spends 4.5 bits a weight (144 bytes per 256), where Q4_1's float16 step and minimum per 32
 weights make 5.
 
-The layouts are llama.cpp's (``block_q2_K`` ... ``block_q6_K`` in ``ggml-common.h``); every function here works on a
-``(n, block_bytes)`` uint8 tensor of super-blocks and returns ``(n, 256)`` float32, computing in float32 in the order
-``gguf.quants.dequantize`` does (``d * s`` first, then times ``q``, then minus ``dmin * m``), so the results equal
-its bit for bit (tests check every type on random blocks and in a file the ``gguf`` package writes).
+The layouts are llama.cpp's (``block_q2_K`` ... ``block_q6_K`` in ``ggml-common.h``). :func:`parts` reads a
+``(n, block_bytes)`` uint8 tensor of super-blocks into the integers ``q`` and each group's step ``d s_j`` and offset
+``-dmin m_j``, computed in float32 as ``gguf.quants.dequantize`` computes them; :func:`groundup.quantization.dequantize`
+multiplies them out, and the weights equal gguf's bit for bit (tests check every type on random blocks and in a file
+the ``gguf`` package writes).
 
 The encoders below use a plain min-max rule per sub-block (llama.cpp searches for the scale of least squared error),
 so their bytes differ from ``llama-quantize``'s; their error is that of a uniform quantizer with each sub-block's
@@ -60,18 +61,22 @@ def _scales_and_mins_k4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return scales, mins
 
 
-def decode_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+# Each ``_parts_*`` function reads a type's super-blocks ``(n, block_bytes)`` into ``(q, step, offset, group)``: the
+# integers q (int8, ``(n, 256)``), each group's step ``d s_j`` and offset ``-dmin m_j`` (float32, ``(n, 256 / group)``;
+# None for the types without a minimum) and the group size. ``q * step + offset`` (groundup.quantization.dequantize)
+# is gguf.quants' ``d s_j * q - dmin m_j`` bit for bit: the same float32 products, and ``a - b`` is ``a + (-b)``.
+
+def _parts_q2_k(blocks: torch.Tensor):
     """Q2_K: 16 scale bytes (scale low nibble, minimum high), 64 bytes of 2-bit q, then ``d`` and ``dmin``.
 
     Each 32 bytes of q serve 128 weights: bits 0-1 of byte i are weight i, bits 2-3 weight i + 32, and so on."""
     scales, qs, d, dmin = _split(blocks, [16, 64, 2, 2])
-    step = _float16(d)[:, None] * (scales & 0x0F).to(torch.float32)       # (n, 16): d * s_j
-    low = _float16(dmin)[:, None] * (scales >> 4).to(torch.float32)       # (n, 16): dmin * m_j
-    q = _bits(qs.reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, 16, 16).to(torch.float32)
-    return (step[:, :, None] * q - low[:, :, None]).reshape(-1, QK_K)
+    q = _bits(qs.reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, QK_K)
+    step = _float16(d)[:, None] * (scales & 0x0F).to(torch.float32)
+    return q.to(torch.int8), step, -(_float16(dmin)[:, None] * (scales >> 4).to(torch.float32)), 16
 
 
-def decode_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+def _parts_q3_k(blocks: torch.Tensor):
     """Q3_K: 32 bytes of high bits, 64 bytes of the low 2 bits, 12 bytes of 6-bit signed scales, then ``d``.
 
     ``q`` = low two bits - 4 where the high bit is 0 (so -4..3); scale j = its 6 bits - 32. The low two bits are laid
@@ -80,38 +85,31 @@ def decode_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     low, high = packed[:, :8], packed[:, 8:]
     scales = (torch.cat([low & 0x0F, low >> 4], dim=1)                            # low four bits of scales 0-15
               | (_bits(high, range(0, 8, 2), 3).reshape(-1, 16) << 4))            # top two bits
-    scales = scales.to(torch.int8) - 32
-    step = _float16(d)[:, None] * scales.to(torch.float32)                         # (n, 16)
+    step = _float16(d)[:, None] * (scales.to(torch.int8) - 32).to(torch.float32)
     q_low = _bits(qs.reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, QK_K).to(torch.int8)
     q_high = _bits(hmask, range(8), 1).reshape(-1, QK_K).to(torch.int8)
-    q = (q_low - ((1 - q_high) << 2)).to(torch.float32).reshape(-1, 16, 16)
-    return (step[:, :, None] * q).reshape(-1, QK_K)
+    return q_low - ((1 - q_high) << 2), step, None, 16
 
 
-def decode_q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_K: ``d``, ``dmin``, 12 bytes of 6-bit scales and minimums, then 128 bytes of 4-bit q.
+def _parts_q4_k(blocks: torch.Tensor, fifth_bits: bool = False):
+    """Q4_K: ``d``, ``dmin``, 12 bytes of 6-bit scales and minimums, then 128 bytes of 4-bit q. Each 32 bytes of q
+    serve two sub-blocks of 32: the low nibbles the first, the high nibbles the second.
 
-    Each 32 bytes of q serve two sub-blocks of 32: the low nibbles the first, the high nibbles the second."""
-    d, dmin, packed, qs = _split(blocks, [2, 2, 12, 128])
-    scales, mins = _scales_and_mins_k4(packed)
-    step = _float16(d)[:, None] * scales.to(torch.float32)                       # (n, 8)
-    low = _float16(dmin)[:, None] * mins.to(torch.float32)
-    q = _bits(qs.reshape(-1, 4, 32), (0, 4), 0x0F).reshape(-1, 8, 32).to(torch.float32)
-    return (step[:, :, None] * q - low[:, :, None]).reshape(-1, QK_K)
-
-
-def decode_q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    """Q5_K: Q4_K's fields with 32 bytes of fifth bits before the nibbles: bit j of byte i tops weight ``32 j + i``."""
-    d, dmin, packed, qh, qs = _split(blocks, [2, 2, 12, 32, 128])
+    Q5_K (``fifth_bits``): the same, with 32 bytes of fifth bits before the nibbles: bit j of byte i tops weight
+    ``32 j + i``."""
+    if fifth_bits:
+        d, dmin, packed, qh, qs = _split(blocks, [2, 2, 12, 32, 128])
+    else:
+        d, dmin, packed, qs = _split(blocks, [2, 2, 12, 128])
+    q = _bits(qs.reshape(-1, 4, 32), (0, 4), 0x0F).reshape(-1, 8, 32)
+    if fifth_bits:
+        q = q | (_bits(qh, range(8), 1) << 4)
     scales, mins = _scales_and_mins_k4(packed)
     step = _float16(d)[:, None] * scales.to(torch.float32)
-    low = _float16(dmin)[:, None] * mins.to(torch.float32)
-    q = (_bits(qs.reshape(-1, 4, 32), (0, 4), 0x0F).reshape(-1, 8, 32)
-         | (_bits(qh, range(8), 1) << 4)).to(torch.float32)
-    return (step[:, :, None] * q - low[:, :, None]).reshape(-1, QK_K)
+    return q.reshape(-1, QK_K).to(torch.int8), step, -(_float16(dmin)[:, None] * mins.to(torch.float32)), 32
 
 
-def decode_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def _parts_q6_k(blocks: torch.Tensor):
     """Q6_K: 128 bytes of low nibbles, 64 bytes of top two bits, 16 signed 8-bit scales, then ``d``; q = 6 bits - 32.
 
     Each half of 128 weights takes 64 bytes of nibbles (low nibbles weights 0-63, high nibbles 64-127) and 32 bytes
@@ -119,12 +117,12 @@ def decode_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     ql, qh, scales, d = _split(blocks, [128, 64, 16, 2])
     low = _bits(ql.reshape(-1, 2, 64), (0, 4), 0x0F).reshape(-1, QK_K)
     high = _bits(qh.reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, QK_K)
-    q = ((low | (high << 4)).to(torch.int8) - 32).to(torch.float32).reshape(-1, 16, 16)
-    step = _float16(d)[:, None] * scales.contiguous().view(torch.int8).to(torch.float32)   # (n, 16)
-    return (step[:, :, None] * q).reshape(-1, QK_K)
+    step = _float16(d)[:, None] * scales.contiguous().view(torch.int8).to(torch.float32)
+    return (low | (high << 4)).to(torch.int8) - 32, step, None, 16
 
 
-DECODERS = {Q2_K: decode_q2_k, Q3_K: decode_q3_k, Q4_K: decode_q4_k, Q5_K: decode_q5_k, Q6_K: decode_q6_k}
+_PARTS = {Q2_K: _parts_q2_k, Q3_K: _parts_q3_k, Q4_K: _parts_q4_k, Q5_K: lambda b: _parts_q4_k(b, fifth_bits=True),
+          Q6_K: _parts_q6_k}
 
 
 def _check_k_type(ggml_type) -> int:
@@ -134,50 +132,11 @@ def _check_k_type(ggml_type) -> int:
     return ggml_type
 
 
-def decode(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """Super-blocks ``(n, BLOCK_BYTES[ggml_type])`` uint8 -> their weights, ``(n, 256)`` float32."""
-    return DECODERS[_check_k_type(ggml_type)](blocks)
-
-
 def parts(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-    """Super-blocks -> ``(q, step, offset, group)``: the integers ``q`` (int8, ``(n, 256)``), each group's step
-    ``d s_j`` and offset ``-dmin m_j`` (float32, ``(n, 256 / group)``; no offset for Q3_K and Q6_K) and the group
-    size (16 or 32). ``q * step + offset``, group by group, is :func:`decode`'s result bit for bit: the products
-    ``d s_j`` and ``dmin m_j`` are the same float32 numbers, and ``a - b`` is ``a + (-b)`` in IEEE arithmetic.
-
-    This is what :class:`groundup.quantized_linear.QuantizedLinear` keeps: one byte per weight instead of four."""
-    if ggml_type == Q2_K:
-        scales, qs, d, dmin = _split(blocks, [16, 64, 2, 2])
-        q = _bits(qs.reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, QK_K)
-        step = _float16(d)[:, None] * (scales & 0x0F).to(torch.float32)
-        return q.to(torch.int8), step, -(_float16(dmin)[:, None] * (scales >> 4).to(torch.float32)), 16
-    if ggml_type == Q3_K:
-        hmask, qs, packed, d = _split(blocks, [32, 64, 12, 2])
-        low, high = packed[:, :8], packed[:, 8:]
-        scales = (torch.cat([low & 0x0F, low >> 4], dim=1) | (_bits(high, range(0, 8, 2), 3).reshape(-1, 16) << 4))
-        step = _float16(d)[:, None] * (scales.to(torch.int8) - 32).to(torch.float32)
-        q_low = _bits(qs.reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, QK_K).to(torch.int8)
-        q_high = _bits(hmask, range(8), 1).reshape(-1, QK_K).to(torch.int8)
-        return q_low - ((1 - q_high) << 2), step, None, 16
-    if ggml_type in (Q4_K, Q5_K):
-        if ggml_type == Q4_K:
-            d, dmin, packed, qs = _split(blocks, [2, 2, 12, 128])
-            q = _bits(qs.reshape(-1, 4, 32), (0, 4), 0x0F).reshape(-1, QK_K)
-        else:
-            d, dmin, packed, qh, qs = _split(blocks, [2, 2, 12, 32, 128])
-            q = (_bits(qs.reshape(-1, 4, 32), (0, 4), 0x0F).reshape(-1, 8, 32)
-                 | (_bits(qh, range(8), 1) << 4)).reshape(-1, QK_K)
-        scales, mins = _scales_and_mins_k4(packed)
-        step = _float16(d)[:, None] * scales.to(torch.float32)
-        return q.to(torch.int8), step, -(_float16(dmin)[:, None] * mins.to(torch.float32)), 32
-    if ggml_type == Q6_K:
-        ql, qh, scales, d = _split(blocks, [128, 64, 16, 2])
-        low = _bits(ql.reshape(-1, 2, 64), (0, 4), 0x0F).reshape(-1, QK_K)
-        high = _bits(qh.reshape(-1, 2, 32), range(0, 8, 2), 3).reshape(-1, QK_K)
-        step = _float16(d)[:, None] * scales.contiguous().view(torch.int8).to(torch.float32)
-        return (low | (high << 4)).to(torch.int8) - 32, step, None, 16
-    _check_k_type(ggml_type)
-    raise AssertionError("unreachable: every k-quant type is handled above")
+    """Super-blocks ``(n, BLOCK_BYTES[ggml_type])`` uint8 -> ``(q, step, offset, group)`` (see above): what
+    :func:`groundup.quantization.dequantize` multiplies out and :class:`groundup.quantized_linear.QuantizedLinear`
+    keeps, one byte a weight."""
+    return _PARTS[_check_k_type(ggml_type)](blocks)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -711,9 +711,9 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
 
 def _quantized_gpt(gguf, config: GPTConfig, names: dict[str, str]) -> GPT:
     """The GPT of a checked GGUF file with its block-quantized matrices kept as blocks (see :func:`load_gguf`)."""
-    from groundup.gguf import GGUFError
     from groundup.positional import RotaryEmbedding
-    from groundup.quantized_linear import BLOCK_TYPES, QuantizedEmbedding, QuantizedLinear, _BlockWeight, block_parts
+    from groundup.quantization import BLOCK_TYPES
+    from groundup.quantized_linear import QuantizedEmbedding, QuantizedLinear, _BlockWeight
 
     with torch.device("meta"):
         model = GPT(config)
@@ -724,11 +724,7 @@ def _quantized_gpt(gguf, config: GPTConfig, names: dict[str, str]) -> GPT:
         parent_name, _, child = owner_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if info.ggml_type in BLOCK_TYPES and attr == "weight" and len(info.shape) == 2:
-            try:
-                numbers = _BlockWeight(*block_parts(gguf.raw(theirs), info.ggml_type, info.shape),
-                                       ggml_type=info.ggml_type)
-            except ValueError as err:
-                raise GGUFError(f"{gguf.path.name}: tensor {theirs!r}: {err}") from None
+            numbers = _BlockWeight(*gguf.block_parts(theirs), ggml_type=info.ggml_type)
             if owner_name == "token_embedding":
                 model.token_embedding = QuantizedEmbedding(numbers)
                 if config.tie_weights:

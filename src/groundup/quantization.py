@@ -39,6 +39,8 @@ BLOCK_SIZE = 32
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 0, 1, 2, 3, 6, 7, 8, 30
 TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
               Q8_0: "Q8_0", **kquants.TYPE_NAMES}
+#: The type numbers by name ("Q4_K" -> 12).
+TYPE_NUMBERS = {name: number for number, name in TYPE_NAMES.items()}
 # (numbers per block, bytes per block) for each type, as GGML's type traits give them.
 BLOCK_LAYOUT = {F32: (1, 4), F16: (1, 2), BF16: (1, 2),
                 Q4_0: (BLOCK_SIZE, 2 + BLOCK_SIZE // 2), Q4_1: (BLOCK_SIZE, 2 + 2 + BLOCK_SIZE // 2),
@@ -261,26 +263,10 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([_float16_bytes(d), pack_nibbles(q)], dim=1).reshape(-1)
 
 
-def dequantize_q4_0(raw: torch.Tensor, shape) -> torch.Tensor:
-    """Q4_0 bytes -> float32 of ``shape``: ``x = d (q - 8)``."""
-    shape = _check_shape(shape, Q4_0)
-    blocks = _check_raw(raw, Q4_0, shape)
-    q = unpack_nibbles(blocks[:, 2:]).to(torch.int8) - 8
-    return q8_0_decode_blocks(_float16_from_bytes(blocks[:, :2]), q).reshape(shape)
-
-
 def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
     """``x`` as Q5_0 bytes: per block 2 bytes of ``d``, 4 of fifth bits, 16 of low nibbles."""
     d, q = _symmetric_encode(_check_floats(x), 16)
     return torch.cat([_float16_bytes(d), _fifth_bits(q), pack_nibbles(q & 0x0F)], dim=1).reshape(-1)
-
-
-def dequantize_q5_0(raw: torch.Tensor, shape) -> torch.Tensor:
-    """Q5_0 bytes -> float32 of ``shape``: ``x = d (q - 16)``."""
-    shape = _check_shape(shape, Q5_0)
-    blocks = _check_raw(raw, Q5_0, shape)
-    q = _with_fifth_bits(blocks[:, 2:6], blocks[:, 6:]).to(torch.int8) - 16
-    return q8_0_decode_blocks(_float16_from_bytes(blocks[:, :2]), q).reshape(shape)
 
 
 def quantize_q5_1(x: torch.Tensor) -> torch.Tensor:
@@ -295,14 +281,6 @@ def quantize_q5_1(x: torch.Tensor) -> torch.Tensor:
                      dim=1).reshape(-1)
 
 
-def dequantize_q5_1(raw: torch.Tensor, shape) -> torch.Tensor:
-    """Q5_1 bytes -> float32 of ``shape``: ``x = d q + m``."""
-    shape = _check_shape(shape, Q5_1)
-    blocks = _check_raw(raw, Q5_1, shape)
-    d, m = _float16_from_bytes(blocks[:, :4]).view(-1, 2).unbind(dim=1)
-    return q4_1_decode_blocks(d, m, _with_fifth_bits(blocks[:, 4:8], blocks[:, 8:])).reshape(shape)
-
-
 def _bfloat16_bytes(x: torch.Tensor) -> torch.Tensor:
     """float32 -> bfloat16's bytes, rounding to nearest even as GGML does (``ggml_compute_fp32_to_bf16``)."""
     return x.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1)
@@ -312,11 +290,65 @@ def _bfloat16_bytes(x: torch.Tensor) -> torch.Tensor:
 # Any of the types
 # ---------------------------------------------------------------------------------------------------------------
 
-_DEQUANTIZERS = {Q4_0: dequantize_q4_0, Q4_1: dequantize_q4_1, Q5_0: dequantize_q5_0, Q5_1: dequantize_q5_1,
-                 Q8_0: dequantize_q8_0}
 _QUANTIZERS = {Q4_0: quantize_q4_0, Q4_1: quantize_q4_1, Q5_0: quantize_q5_0, Q5_1: quantize_q5_1,
                Q8_0: quantize_q8_0}
 _PLAIN = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+#: The types stored in blocks of small integers with their scales (every type but the plain F32, F16 and BF16).
+BLOCK_TYPES = tuple(t for t in TYPE_NAMES if t not in _PLAIN)
+
+
+def _legacy_parts(blocks: torch.Tensor, ggml_type: int):
+    """32-weight blocks ``(n, block_bytes)`` -> ``(q, step, offset, 32)``: q int8 ``(n, 32)``, the step ``d`` and the
+    offset ``m`` (Q4_1, Q5_1; else None) as float32 ``(n, 1)``, so that ``x = q * step + offset``."""
+    if ggml_type == Q8_0:
+        q = blocks[:, 2:].contiguous().view(torch.int8)
+    elif ggml_type == Q4_0:
+        q = unpack_nibbles(blocks[:, 2:]).to(torch.int8) - 8
+    elif ggml_type == Q5_0:
+        q = _with_fifth_bits(blocks[:, 2:6], blocks[:, 6:]).to(torch.int8) - 16
+    elif ggml_type == Q4_1:
+        q = unpack_nibbles(blocks[:, 4:]).to(torch.int8)
+    else:  # Q5_1
+        q = _with_fifth_bits(blocks[:, 4:8], blocks[:, 8:]).to(torch.int8)
+    if ggml_type in (Q4_1, Q5_1):
+        step, offset = _float16_from_bytes(blocks[:, :4]).view(-1, 2, 1).unbind(dim=1)
+        return q, step, offset, BLOCK_SIZE
+    return q, _float16_from_bytes(blocks[:, :2]).view(-1, 1), None, BLOCK_SIZE
+
+
+def _parts(blocks: torch.Tensor, ggml_type: int):
+    """Blocks of any of :data:`BLOCK_TYPES` -> ``(q, step, offset, group)`` (see :func:`block_parts`)."""
+    return kquants.parts(blocks, ggml_type) if ggml_type in kquants.BLOCK_BYTES else _legacy_parts(blocks, ggml_type)
+
+
+def dequantize_parts(q: torch.Tensor, step: torch.Tensor, offset: torch.Tensor | None, group: int) -> torch.Tensor:
+    """``q * step + offset``, group by group, in float32 (two roundings, as llama.cpp and gguf), in ``q``'s shape:
+    the weights of :func:`block_parts`' numbers (or of any rows of them)."""
+    x = q.view(*q.shape[:-1], -1, group).to(torch.float32, copy=True).mul_(step.unsqueeze(-1))
+    if offset is not None:
+        x.add_(offset.unsqueeze(-1))
+    return x.view(q.shape)
+
+
+def block_parts(raw: torch.Tensor, ggml_type: int, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                                      int]:
+    """A block-quantized 2-D tensor's bytes -> ``(q, step, offset, group)`` in its shape ``(rows, cols)``: ``q`` int8
+    ``(rows, cols)``; ``step`` and ``offset`` float32 ``(rows, cols / group)`` (``offset`` None for the types without
+    a minimum); ``group`` 16 or 32. ``q * step + offset`` is :func:`dequantize`'s result bit for bit. A NaN or
+    infinite step or offset is refused (ValueError). What :class:`groundup.quantized_linear.QuantizedLinear` keeps."""
+    ggml_type = _check_type(ggml_type)
+    shape = _check_shape(shape, ggml_type)
+    if len(shape) != 2 or ggml_type not in BLOCK_TYPES:
+        raise ValueError(f"block_parts takes a 2-D block-quantized tensor, got {TYPE_NAMES[ggml_type]} of shape "
+                         f"{shape}")
+    q, step, offset, group = _parts(_check_raw(raw, ggml_type, shape), ggml_type)
+    for name, value in (("step", step), ("offset", offset)):
+        if value is not None and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{TYPE_NAMES[ggml_type]} data of shape {shape} holds a NaN or infinite {name} (a NaN "
+                             f"or infinite float16 scale in the bytes)")
+    rows, cols = shape
+    return (q.reshape(rows, cols).contiguous(), step.reshape(rows, -1).contiguous(),
+            None if offset is None else offset.reshape(rows, -1).contiguous(), group)
 
 
 def dequantize(raw: torch.Tensor, ggml_type: int, shape) -> torch.Tensor:
@@ -328,10 +360,8 @@ def dequantize(raw: torch.Tensor, ggml_type: int, shape) -> torch.Tensor:
     """
     ggml_type = _check_type(ggml_type)
     shape = _check_shape(shape, ggml_type)
-    if ggml_type in _DEQUANTIZERS:
-        x = _DEQUANTIZERS[ggml_type](raw, shape)
-    elif ggml_type in kquants.DECODERS:
-        x = kquants.decode(_check_raw(raw, ggml_type, shape), ggml_type).reshape(shape)
+    if ggml_type in BLOCK_TYPES:
+        x = dequantize_parts(*_parts(_check_raw(raw, ggml_type, shape), ggml_type)).reshape(shape)
     else:
         x = _check_raw(raw, ggml_type, shape).contiguous().view(_PLAIN[ggml_type]).reshape(shape).to(torch.float32)
     bad = x.numel() - int(torch.isfinite(x).sum())

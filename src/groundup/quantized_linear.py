@@ -8,8 +8,9 @@ the offset ``m`` (minus ``dmin m_j`` for the k-quants), so that
 
     W[o, i] = q[o, i] * step[o, i // group] (+ offset[o, i // group])
 
-exactly as :func:`groundup.quantization.dequantize` computes it, bit for bit. That is 1.125 to 1.5 bytes a weight (an
-int8 per weight, 4 bytes of step per group of 32 or 16, as many again for an offset).
+exactly as :func:`groundup.quantization.dequantize` computes it, bit for bit (the numbers are
+:func:`groundup.quantization.block_parts`'). That is 1.125 to 1.5 bytes a weight (an int8 per weight, 4 bytes of step
+per group of 32 or 16, as many again for an offset).
 
 ``forward`` never holds the float32 matrix: it dequantizes ``q * step`` a slice of rows at a time (``SLICE_ELEMENTS``
 weights, a multiple of 32 rows: 2 MB of float32 for rows of up to 16,384 numbers) into a buffer the cache keeps, and
@@ -28,52 +29,13 @@ import threading
 import torch
 from torch import nn
 
-from groundup import kquants, quantization
+from groundup import quantization
 from groundup.linear import linear
 
-__all__ = ["BLOCK_TYPES", "QuantizedEmbedding", "QuantizedLinear", "SLICE_ELEMENTS", "block_parts"]
+__all__ = ["QuantizedEmbedding", "QuantizedLinear", "SLICE_ELEMENTS"]
 
 #: Weights dequantized per slice of rows in ``forward`` (2 MB of float32; rounded down to a multiple of 32 rows).
 SLICE_ELEMENTS = 1 << 19
-#: The GGML types kept as blocks (the others, F32, F16 and BF16, are plain numbers).
-BLOCK_TYPES = tuple(t for t in quantization.TYPE_NAMES
-                    if t not in (quantization.F32, quantization.F16, quantization.BF16))
-
-
-def block_parts(raw: torch.Tensor, ggml_type: int, shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                                                      int]:
-    """A block-quantized tensor's bytes -> ``(q, step, offset, group)`` in the tensor's shape ``(rows, cols)``:
-    ``q`` int8 ``(rows, cols)``, ``step`` and ``offset`` float32 ``(rows, cols / group)`` (``offset`` None for the
-    types without a minimum), ``group`` 16 or 32. ``q * step + offset`` is ``quantization.dequantize``'s result."""
-    ggml_type = quantization._check_type(ggml_type)
-    shape = quantization._check_shape(shape, ggml_type)
-    if len(shape) != 2 or ggml_type in (quantization.F32, quantization.F16, quantization.BF16):
-        raise ValueError(f"block_parts takes a 2-D block-quantized tensor, got {quantization.TYPE_NAMES[ggml_type]} "
-                         f"of shape {shape}")
-    blocks = quantization._check_raw(raw, ggml_type, shape)
-    rows, cols = shape
-    if ggml_type in kquants.DECODERS:
-        q, step, offset, group = kquants.parts(blocks, ggml_type)
-    else:
-        group, f16 = quantization.BLOCK_SIZE, quantization._float16_from_bytes
-        if ggml_type == quantization.Q8_0:
-            q, step, offset = blocks[:, 2:].contiguous().view(torch.int8), f16(blocks[:, :2]), None
-        elif ggml_type == quantization.Q4_0:
-            q, step, offset = quantization.unpack_nibbles(blocks[:, 2:]).to(torch.int8) - 8, f16(blocks[:, :2]), None
-        elif ggml_type == quantization.Q5_0:
-            q = quantization._with_fifth_bits(blocks[:, 2:6], blocks[:, 6:]).to(torch.int8) - 16
-            step, offset = f16(blocks[:, :2]), None
-        else:  # Q4_1, Q5_1: q d + m
-            step, offset = f16(blocks[:, :4]).view(-1, 2).unbind(dim=1)
-            packed = blocks[:, 4:] if ggml_type == quantization.Q4_1 else None
-            q = (quantization.unpack_nibbles(packed) if packed is not None
-                 else quantization._with_fifth_bits(blocks[:, 4:8], blocks[:, 8:])).to(torch.int8)
-    for name, value in (("step", step), ("offset", offset)):
-        if value is not None and not bool(torch.isfinite(value).all()):
-            raise ValueError(f"{quantization.TYPE_NAMES[ggml_type]} data of shape {shape} holds a NaN or infinite "
-                             f"{name} (a NaN or infinite float16 scale in the bytes)")
-    return (q.reshape(rows, cols).contiguous(), step.reshape(rows, -1).contiguous(),
-            None if offset is None else offset.reshape(rows, -1).contiguous(), group)
 
 
 _scratch = threading.local()  # per thread: {device: float32 buffer}; freed with its thread
@@ -106,11 +68,8 @@ class _BlockWeight(nn.Module):
 
     def rows(self, index) -> torch.Tensor:
         """Rows ``index`` (a slice or a tensor of indices) of the matrix, float32, ``q * step + offset``."""
-        q, step = self.q[index], self.step[index]
-        w = torch.mul(q.view(*q.shape[:-1], -1, self.group), step.unsqueeze(-1))
-        if self.offset is not None:
-            w.add_(self.offset[index].unsqueeze(-1))
-        return w.view(q.shape)
+        offset = None if self.offset is None else self.offset[index]
+        return quantization.dequantize_parts(self.q[index], self.step[index], offset, self.group)
 
     def scaled_rows_into(self, start: int, stop: int, out: torch.Tensor | None) -> torch.Tensor:
         """``q * step`` (no offset) of rows ``start:stop`` as ``(rows, cols)``: into the float32 buffer ``out``, or a
@@ -151,7 +110,7 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_gguf(cls, raw: torch.Tensor, ggml_type: int, shape) -> QuantizedLinear:
         """From a GGUF tensor's bytes (1-D uint8), its GGML type and its PyTorch shape ``(out, in)``."""
-        return cls(_BlockWeight(*block_parts(raw, ggml_type, shape), ggml_type=int(ggml_type)))
+        return cls(_BlockWeight(*quantization.block_parts(raw, ggml_type, shape), ggml_type=int(ggml_type)))
 
     @property
     def weight(self) -> torch.Tensor:

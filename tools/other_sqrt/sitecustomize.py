@@ -29,8 +29,12 @@ if os.environ.get("GROUNDUP_OTHER_SQRT") == "1":
         with torch.no_grad():
             return x.copy_(_sqrt(x.double()))
 
+    def foreach_sqrt_(xs):
+        for x in xs:
+            sqrt_(x)
+
     torch.sqrt = sqrt
-    torch.Tensor.sqrt = lambda self: _other(self)
+    torch.Tensor.sqrt = _other
     torch.Tensor.sqrt_ = sqrt_
     torch._foreach_sqrt = lambda xs: [_other(x) for x in xs]
-    torch._foreach_sqrt_ = lambda xs: [sqrt_(x) for x in xs] and None
+    torch._foreach_sqrt_ = foreach_sqrt_
