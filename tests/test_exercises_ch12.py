@@ -1,46 +1,119 @@
-"""Each chapter-12 checker accepts the reference solution, rejects plausible wrong answers with the right hint,
+"""Chapter 12's checkers: each accepts the notebook's hidden solution, rejects plausible wrong answers with the right
+hint, refuses answers that call the package's own solution or the gguf package's, reports an answer that raises,
 treats the unattempted stub kindly and reports answers that modify their inputs."""
 
+import io
+import struct
+import tempfile
+from pathlib import Path
+
+import gguf
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from groundup import kquants
 from groundup import quantization as Q
 from groundup.exercises import checking as _checking
 from groundup.exercises.ch12 import (
-    check_decode_q4_1_block,
-    check_gguf_bytes,
-    check_gpt2_parameter_count,
+    _gpt_count,
+    _q8_0_cases,
+    _unpermute,
+    check_book_name,
+    check_dequantize_q6_k,
+    check_llama_parameter_count,
+    check_quantize_q8_0,
+    check_read_array,
     check_rotary_permutation,
-    check_split_c_attn,
-    gguf_tensor_bytes,
-    gpt2_parameters,
+    check_unpermute_rows,
 )
 from groundup.models import GPT, GPTConfig
 
 # --- reference solutions (the notebook's hidden solutions) ----------------------------------------------------
 
 
-def split_solution(weight, bias):
-    d = weight.shape[0]
-    w_q, w_k, w_v = (weight[:, i * d:(i + 1) * d].T for i in range(3))
-    b_q, b_k, b_v = bias.split(d)
-    return w_q, w_k, w_v, b_q, b_k, b_v
+def quantize_q8_0_solution(x):
+    blocks = x.reshape(-1, 32)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    inverse = torch.where(d == 0, 0.0, 1 / d)
+    v = blocks * inverse
+    a = v.abs()
+    q = v.sign() * (a.floor() + (2 * (a - a.floor())).floor())
+    return torch.cat([d.to(torch.float16).view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=1).reshape(-1)
 
 
-def count_solution(n_layers, d_model, vocab_size, context_length):
-    d = d_model
-    per_block = 12 * d * d + 13 * d
-    return vocab_size * d + context_length * d + n_layers * per_block + 2 * d
+def dequantize_q6_k_solution(raw):
+    blocks = raw.reshape(-1, 210)
+    n = blocks.shape[0]
+    ql = blocks[:, :128].reshape(n, 2, 1, 64).long()
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32).long()
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    d = blocks[:, 208:].contiguous().view(torch.float16).float()
+    low = (ql >> torch.tensor([0, 4]).reshape(2, 1)) & 0x0F
+    high = (qh >> torch.tensor([0, 2, 4, 6]).reshape(4, 1)) & 0x03
+    q = (low.reshape(n, 256) | high.reshape(n, 256) << 4) - 32
+    return ((d * scales).repeat_interleave(16, dim=1) * q.float()).reshape(-1)
 
 
 def permutation_solution(d_head):
     return [j for i in range(d_head // 2) for j in (i, i + d_head // 2)]
 
 
+def unpermute_rows_solution(weight, n_heads):
+    rows, d_in = weight.shape
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, d_in).transpose(1, 2).reshape(rows, d_in)
+
+
+FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_array_solution(data, offset, formats=FORMATS, length_format="<Q", count_format="<Q"):
+    (element_type,) = struct.unpack_from("<I", data, offset)
+    (count,) = struct.unpack_from(count_format, data, offset + 4)
+    offset += 4 + struct.calcsize(count_format)
+    values = []
+    for _ in range(count):
+        if element_type == 8:
+            (length,) = struct.unpack_from(length_format, data, offset)
+            offset += struct.calcsize(length_format)
+            (raw,) = struct.unpack_from(f"{length}s", data, offset)
+            values.append(raw.decode("utf-8"))
+            offset += length
+        else:
+            values.append(struct.unpack_from(formats[element_type], data, offset)[0])
+            offset += struct.calcsize(formats[element_type])
+    return values, offset
+
+
+def llama_count_solution(n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, tied):
+    d_kv = d_model // n_heads * n_kv_heads
+    block = 2 * d_model * d_model + 2 * d_kv * d_model + 3 * d_model * d_ff + 2 * d_model
+    return vocab_size * d_model * (1 if tied else 2) + n_layers * block + d_model
+
+
+PARTS = {"attn_norm": "norm_1", "attn_q": "attention.W_q", "attn_k": "attention.W_k", "attn_v": "attention.W_v",
+         "attn_output": "attention.W_o", "ffn_norm": "norm_2", "ffn_gate": "ffn.W_gate", "ffn_up": "ffn.W_in",
+         "ffn_down": "ffn.W_out"}
+TOP = {"token_embd.weight": "token_embedding.weight", "output_norm.weight": "final_norm.weight",
+       "output.weight": "unembedding.weight"}
+
+
+def book_name_solution(gguf_name, parts=PARTS):
+    if gguf_name in TOP:
+        return TOP[gguf_name]
+    pieces = gguf_name.split(".")
+    if len(pieces) != 4 or pieces[0] != "blk" or not pieces[1].isdigit() or pieces[3] != "weight":
+        raise KeyError(gguf_name)
+    return f"blocks.{int(pieces[1])}.{parts[pieces[2]]}.weight"
+
+
 def stub(*args):
     raise NotImplementedError
+
+
+def raises(*args):
+    return 1 / 0
 
 
 def verdict(checker, fn, capsys):
@@ -48,73 +121,145 @@ def verdict(checker, fn, capsys):
     return bool(ok), capsys.readouterr().out
 
 
-@pytest.mark.parametrize("checker, solution", [(check_split_c_attn, split_solution),
-                                               (check_gpt2_parameter_count, count_solution),
-                                               (check_rotary_permutation, permutation_solution)])
-def test_reference_passes_and_stub_is_not_attempted(checker, solution, capsys):
+@pytest.fixture(autouse=True)
+def _unwrapped_verdicts(monkeypatch):
+    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
+    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)
+
+
+SOLUTIONS = [(check_quantize_q8_0, quantize_q8_0_solution), (check_dequantize_q6_k, dequantize_q6_k_solution),
+             (check_rotary_permutation, permutation_solution), (check_unpermute_rows, unpermute_rows_solution),
+             (check_read_array, read_array_solution), (check_llama_parameter_count, llama_count_solution),
+             (check_book_name, book_name_solution)]
+
+
+@pytest.mark.parametrize("checker, solution", SOLUTIONS, ids=lambda f: getattr(f, "__name__", ""))
+def test_reference_passes_the_stub_is_not_attempted_and_an_error_is_reported(checker, solution, capsys):
     ok, out = verdict(checker, solution, capsys)
     assert ok and "✅" in out, out
     ok, out = verdict(checker, stub, capsys)
-    assert not ok and "not attempted yet" in out
+    assert not ok and "not attempted yet" in out, out
+    ok, out = verdict(checker, raises, capsys)
+    assert not ok and "your function raised ZeroDivisionError" in out and "bug in the book" not in out, out
 
 
-# --- 12.1 --------------------------------------------------------------------------------------------------
+# --- 12.1: Q8_0 -----------------------------------------------------------------------------------------------
 
 
-def test_split_without_transposing_is_named(capsys):
-    def untransposed(weight, bias):
-        d = weight.shape[0]
-        return (*(weight[:, i * d:(i + 1) * d] for i in range(3)), *bias.split(d))
-
-    ok, out = verdict(check_split_c_attn, untransposed, capsys)
-    assert not ok and "transpose of what nn.Linear needs" in out, out
-
-
-def test_split_in_the_wrong_order_is_rejected(capsys):
-    def swapped(weight, bias):
-        w_q, w_k, w_v, b_q, b_k, b_v = split_solution(weight, bias)
-        return w_k, w_q, w_v, b_k, b_q, b_v
-
-    ok, out = verdict(check_split_c_attn, swapped, capsys)
-    assert not ok and "W_q" in out and "Columns 0..d-1 of weight produce q" in out, out
-
-
-def test_split_in_place_is_reported(capsys):
-    def in_place(weight, bias):
-        out = split_solution(weight.clone(), bias.clone())
-        bias.zero_()
-        return out
-
-    ok, out = verdict(check_split_c_attn, in_place, capsys)
-    assert not ok and "in place" in out, out
+def q8_0(x, rounding="away", divide=False, d16=False):
+    """Q8_0 written the right way or with one mistake, independently of the checker's own variants."""
+    blocks = x.reshape(-1, 32)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    if d16:
+        d = d.half().float()
+    v = torch.where(d == 0, 0.0, blocks / d) if divide else blocks * torch.where(d == 0, 0.0, 1 / d)
+    if rounding == "away":
+        a = v.abs()
+        q = v.sign() * (a.floor() + (2 * (a - a.floor())).floor())
+    elif rounding == "even":
+        q = torch.round(v)
+    else:
+        q = v.sign() * (v.abs() + 0.5).floor()
+    return torch.cat([d.half().view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=1).reshape(-1)
 
 
-# --- 12.2 --------------------------------------------------------------------------------------------------
+def test_the_cases_are_quantized_by_the_solution_as_by_gguf():
+    for _, x in _q8_0_cases():
+        assert torch.equal(quantize_q8_0_solution(x), torch.from_numpy(
+            gguf_quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0).reshape(-1)))
 
 
-def test_the_closed_form_counts_a_gpt2_shaped_gpt():
-    config = GPTConfig(vocab_size=65, context_length=16, d_model=8, n_layers=2, n_heads=2, positional="learned")
-    model = GPT(config)
-    assert sum(p.numel() for p in model.parameters()) == gpt2_parameters(2, 8, 65, 16)
-    assert gpt2_parameters(12, 768, 50257, 1024) == 124_439_808
+@pytest.mark.parametrize("answer, message, hint", [
+    (lambda x: q8_0(x, rounding="even"), "q_1 is 2, expected 3 (x_1 = 2.5)", "torch.round rounds halves to the even"),
+    (lambda x: q8_0(x, rounding="floor"), "expected 0 (x_11 = 0.4999999701976776)",
+     "floor(|v| + 0.5) is not roundf in float32"),
+    (lambda x: q8_0(x, divide=True), "for a block where x_j * (1/d) lies on a tie", "multiplies by the reciprocal"),
+    (lambda x: q8_0(x, d16=True), "is", "only the copy of d written to the block is rounded to float16"),
+    (lambda x: q8_0(x).reshape(-1, 34)[:, [*range(2, 34), 0, 1]].reshape(-1), "block 0", "Each block starts with d"),
+])
+def test_q8_0_mistakes_are_named(answer, message, hint, capsys):
+    ok, out = verdict(check_quantize_q8_0, answer, capsys)
+    assert not ok and message in out and hint in out, out
 
 
-def test_untied_count_is_named(capsys):
-    ok, out = verdict(check_gpt2_parameter_count, lambda n, d, v, c: count_solution(n, d, v, c) + v * d, capsys)
-    assert not ok and "ties the unembedding" in out, out
+@pytest.mark.parametrize("answer, message", [
+    (lambda x: q8_0(x).view(torch.int8), "returned a torch.int8 tensor, expected torch.uint8"),
+    (lambda x: q8_0(x).reshape(-1, 34), "expected a 1-D tensor"),
+    (lambda x: bytes(q8_0(x).tolist()), "returned a bytes, expected a 1-D torch.uint8 tensor"),
+    (lambda x: q8_0(x)[:-2], "bytes, expected"),
+    (lambda x: q8_0(x.mul_(1.5)), "changed its input x in place"),
+])
+def test_q8_0_answers_of_the_wrong_kind_are_told_so(answer, message, capsys):
+    ok, out = verdict(check_quantize_q8_0, answer, capsys)
+    assert not ok and message in out, out
 
 
-def test_count_without_positions_is_named(capsys):
-    ok, out = verdict(check_gpt2_parameter_count, lambda n, d, v, c: count_solution(n, d, v, c) - c * d, capsys)
-    assert not ok and "positional table" in out, out
+@pytest.mark.parametrize("answer, called", [
+    (lambda x: Q.quantize(x, Q.Q8_0), "calls groundup.quantization.quantize"),
+    (lambda x: Q.quantize_q8_0(x), "calls groundup.quantization.quantize_q8_0"),
+    (lambda x: torch.from_numpy(gguf_quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0).reshape(-1)),
+     "calls gguf.quants.quantize"),
+    (lambda x: torch.from_numpy(gguf_quants.Q8_0.quantize_blocks(x.reshape(-1, 32).numpy()).reshape(-1)),
+     "calls gguf.quants.Q8_0.quantize_blocks"),
+])
+def test_q8_0_package_quantizers_are_refused(answer, called, capsys):
+    ok, out = verdict(check_quantize_q8_0, answer, capsys)
+    assert not ok and called in out and "asks for the quantizer itself" in out, out
 
 
-def test_count_as_string_is_refused(capsys):
-    ok, out = verdict(check_gpt2_parameter_count, lambda n, d, v, c: "124M", capsys)
-    assert not ok and "as an int" in out, out
+def test_q8_0_the_checkers_own_variant_is_refused(capsys):
+    from groundup.exercises import ch12
+
+    ok, out = verdict(check_quantize_q8_0, lambda x: ch12._q8_0_variant(x), capsys)
+    assert not ok and "calls groundup.exercises.ch12._q8_0_variant" in out, out
+    assert torch.equal(ch12._q8_0_variant(torch.ones(32)), q8_0(torch.ones(32))), "it works again afterwards"
 
 
-# --- 12.3 --------------------------------------------------------------------------------------------------
+# --- 12.2: Q6_K -----------------------------------------------------------------------------------------------
+
+
+def q6_k(raw, minus=32, scale_type=torch.int8, neighbours=False):
+    """Q6_K decoded the right way or with one mistake."""
+    blocks = raw.reshape(-1, 210)
+    n = blocks.shape[0]
+    ql = blocks[:, :128].long()
+    if neighbours:
+        low = (ql.reshape(n, 128, 1) >> torch.tensor([0, 4])) & 0x0F
+    else:
+        low = (ql.reshape(n, 2, 1, 64) >> torch.tensor([0, 4]).reshape(2, 1)) & 0x0F
+    high = (blocks[:, 128:192].long().reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6]).reshape(4, 1)) & 3
+    q = (low.reshape(n, 256) | high.reshape(n, 256) << 4) - minus
+    scales = blocks[:, 192:208].contiguous().view(scale_type).float()
+    d = blocks[:, 208:].contiguous().view(torch.float16).float()
+    return ((d * scales).repeat_interleave(16, dim=1) * q.float()).reshape(-1)
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (lambda raw: q6_k(raw, minus=0), "Subtract 32"),
+    (lambda raw: q6_k(raw, scale_type=torch.uint8), "The 16 scales are signed bytes"),
+    (lambda raw: q6_k(raw, neighbours=True), "The two nibbles of a ql byte are not neighbouring weights"),
+    (lambda raw: q6_k(raw).double(), "Compute in float32"),
+    (lambda raw: q6_k(raw).reshape(-1, 256), "put them one after the other in a 1-D tensor"),
+    (lambda raw: q6_k(raw) * (1 + 2 ** -20), "ql byte 64 h + p % 64"),
+])
+def test_q6_k_mistakes_are_named(answer, hint, capsys):
+    ok, out = verdict(check_dequantize_q6_k, answer, capsys)
+    assert not ok and hint in out, out
+
+
+@pytest.mark.parametrize("answer, called", [
+    (lambda raw: Q.dequantize(raw, kquants.Q6_K, (raw.numel() // 210 * 256,)),
+     "calls groundup.quantization.dequantize"),
+    (lambda raw: kquants.parts(raw.reshape(-1, 210), kquants.Q6_K)[0].float(), "calls groundup.kquants.parts"),
+    (lambda raw: torch.from_numpy(gguf_quants.dequantize(raw.numpy(), GGMLQuantizationType.Q6_K)),
+     "calls gguf.quants.dequantize"),
+])
+def test_q6_k_package_decoders_are_refused(answer, called, capsys):
+    ok, out = verdict(check_dequantize_q6_k, answer, capsys)
+    assert not ok and called in out and "take the bytes apart yourself" in out, out
+
+
+# --- 12.3: rotary permutation (unchanged exercise) ------------------------------------------------------------
 
 
 def test_inverse_permutation_is_rejected(capsys):
@@ -162,171 +307,234 @@ def test_an_answer_of_the_wrong_kind_is_told_what_is_wrong_with_it(answer, messa
     assert not ok and f"my_rotary_permutation(2) {message}" in out and hint in out, out
 
 
-# --- 12.6 and 12.7: quantization -----------------------------------------------------------------------------
+# --- 12.4: un-permuting W_Q and W_K ---------------------------------------------------------------------------
 
 
-def decode_q4_1_solution(block):
-    d, m = block[:4].view(torch.float16).float()
-    packed = block[4:]
-    q = torch.cat([packed & 0x0F, packed >> 4]).float()
-    return d * q + m
+def llama_cpp_permute(w, n_heads):
+    """convert_hf_to_gguf.py's permute, written out: the forward direction, the wrong answer."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_bytes_solution(n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, matrices, embedding):
-    size = {"F32": 4, "F16": 2, "Q8_0": 34 / 32, "Q4_1": 20 / 32}
-    d_kv = d_model // n_heads * n_kv_heads
-    per_block = 2 * d_model * d_model + 2 * d_model * d_kv + 3 * d_model * d_ff
-    return round(n_layers * per_block * size[matrices] + vocab_size * d_model * size[embedding]
-                 + (2 * n_layers + 1) * d_model * 4)
+def test_the_solution_inverts_llama_cpps_permutation_and_the_model_agrees():
+    w = torch.randn(3 * 8, 5, dtype=torch.float64)
+    assert torch.equal(unpermute_rows_solution(llama_cpp_permute(w, 3), 3), w)
+    assert not torch.equal(llama_cpp_permute(w, 3), unpermute_rows_solution(w, 3)), "d_h = 8 tells them apart"
 
 
-@pytest.mark.parametrize("checker, solution", [(check_decode_q4_1_block, decode_q4_1_solution),
-                                               (check_gguf_bytes, gguf_bytes_solution)])
-def test_quantization_references_pass_and_stubs_are_not_attempted(checker, solution, capsys):
-    ok, out = verdict(checker, solution, capsys)
-    assert ok and "✅" in out, out
-    ok, out = verdict(checker, stub, capsys)
-    assert not ok and "not attempted yet" in out
-
-
-def test_q4_1_neighbouring_nibbles_are_named(capsys):
-    def neighbours(block):
-        d, m = block[:4].view(torch.float16).float()
-        packed = block[4:]
-        return d * torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1).float() + m
-
-    ok, out = verdict(check_decode_q4_1_block, neighbours, capsys)
-    assert not ok and "not neighbours" in out, out
-
-
-def test_q4_1_without_the_minimum_is_named(capsys):
-    ok, out = verdict(check_decode_q4_1_block, lambda b: decode_q4_1_solution(b) - b[2:4].view(torch.float16).float(),
-                      capsys)
-    assert not ok and "x = d q + m" in out, out
-
-
-@pytest.mark.parametrize("package_call", [
-    lambda b: Q.dequantize(b, Q.Q4_1, (32,)),
-    lambda b: Q.q4_1_decode_blocks(*(t.view(torch.float16) for t in b[:4].reshape(2, 2)),
-                                   Q.unpack_nibbles(b[4:][None]))[0],
-    lambda b: torch.from_numpy(gguf_quants.dequantize(b.numpy(), GGMLQuantizationType.Q4_1)),
+@pytest.mark.parametrize("answer, hint", [
+    (llama_cpp_permute, "That is the converter's own permutation"),
+    (lambda w, n: unpermute_rows_solution(w, 1), "Each head's rows are permuted on their own"),
+    (lambda w, n: w.clone(), "The rows must move"),
+    (lambda w, n: unpermute_rows_solution(w, n).float(), "keep the dtype of weight"),
+    (lambda w, n: unpermute_rows_solution(w, n)[:, :1], "the shape does not change"),
 ])
-def test_q4_1_package_decoders_are_refused(package_call, capsys):
-    ok, out = verdict(check_decode_q4_1_block, package_call, capsys)
-    assert not ok and "decode the bytes yourself" in out, out
+def test_unpermute_mistakes_are_named(answer, hint, capsys):
+    ok, out = verdict(check_unpermute_rows, answer, capsys)
+    assert not ok and hint in out, out
 
 
-def test_q4_1_answers_that_are_not_plain_dense_tensors_are_refused(capsys):
-    ok, out = verdict(check_decode_q4_1_block, lambda b: decode_q4_1_solution(b).to_sparse(), capsys)
-    assert not ok and "layout torch.sparse_coo" in out, out
-    ok, out = verdict(check_decode_q4_1_block, lambda b: decode_q4_1_solution(b).tolist(), capsys)
-    assert not ok and "returned list" in out, out
+def test_unpermute_gqa_key_rows_are_checked_with_their_own_head_count(capsys):
+    """An answer that ignores n_heads and assumes the 4 query heads of the tiny model passes W_q, fails W_k."""
+    def four_heads(w, n):
+        return unpermute_rows_solution(w, 4 if w.shape[1] == 32 else n)  # d_model of the tiny model
+
+    ok, out = verdict(check_unpermute_rows, four_heads, capsys)
+    assert not ok and "blocks.0.attention.W_k.weight (16, 32)" in out and "2 key/value heads" in out, out
 
 
-def test_gguf_bytes_is_the_file_of_smollm2_and_the_parameter_count_of_its_gpt():
-    # The file's tensor data: 98,362,432 bytes in all, of which the first 1,785,664 are header, metadata and table.
-    assert gguf_tensor_bytes(30, 576, 9, 3, 1536, 49152, "Q4_1", "Q8_0") == 98_362_432 - 1_785_664
-    def count(vocab_size, n_layers):  # SmolLM2's GPT, small enough to build here
-        config = GPTConfig(vocab_size=vocab_size, context_length=64, d_model=576, n_layers=n_layers, n_heads=9,
-                           n_kv_heads=3, d_ff=1536, positional="rope", norm="rmsnorm", activation="swiglu", bias=False)
-        return sum(p.numel() for p in GPT(config).parameters())
+def test_unpermute_package_helpers_are_refused(capsys):
+    from groundup import pretrained
 
-    one_block = count(32, 2) - count(32, 1)
-    n_parameters = count(32, 1) + 29 * one_block + (49152 - 32) * (count(33, 1) - count(32, 1))
-    assert n_parameters == 134_515_008
-    assert gguf_tensor_bytes(30, 576, 9, 3, 1536, 49152, "F32", "F32") == 4 * n_parameters
+    def with_the_loader(weight, n_heads):
+        pretrained.llama_config({"hidden_size": 8, "num_attention_heads": 2})
+        return unpermute_rows_solution(weight, n_heads)
 
-
-def test_gguf_bytes_without_block_scales_is_named(capsys):
-    def four_bits(n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, matrices, embedding):
-        size = {"F32": 4, "F16": 2, "Q8_0": 1, "Q4_1": 0.5}
-        d_kv = d_model // n_heads * n_kv_heads
-        per_block = 2 * d_model * d_model + 2 * d_model * d_kv + 3 * d_model * d_ff
-        return round(n_layers * per_block * size[matrices] + vocab_size * d_model * size[embedding]
-                     + (2 * n_layers + 1) * d_model * 4)
-
-    ok, out = verdict(check_gguf_bytes, four_bits, capsys)
-    assert not ok and "34 bytes per 32 numbers" in out, out
+    ok, out = verdict(check_unpermute_rows, with_the_loader, capsys)
+    assert not ok and "calls groundup.pretrained.llama_config" in out and "groundup.pretrained is the book's" in out
+    ok, out = verdict(check_unpermute_rows, _unpermute, capsys)
+    assert not ok and "calls groundup.exercises.ch12._unpermute" in out, out
 
 
-def test_gguf_bytes_with_full_size_key_value_heads_is_named(capsys):
-    ok, out = verdict(check_gguf_bytes, lambda n, d, h, kv, f, v, m, e: gguf_bytes_solution(n, d, h, h, f, v, m, e),
-                      capsys)
-    assert not ok and "grouped-query attention" in out, out
+# --- 12.5: a metadata array -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _unwrapped_verdicts(monkeypatch):
-    """Match hints as whole lines; tests/test_checking.py tests the wrapping to the book's width."""
-    monkeypatch.setattr(_checking, "MESSAGE_WIDTH", 10_000)
+def latin_1(data, offset):
+    values, offset = read_array_solution(data, offset)
+    return [v.encode("utf-8").decode("latin-1") if isinstance(v, str) else v for v in values], offset
 
 
-def test_the_checkers_own_count_is_refused(capsys):
-    from groundup.exercises.ch12 import gpt2_parameters
+def sliced_strings(data, offset):
+    """Reads strings with a slice, which silently gives fewer bytes when the data ends too soon."""
+    (element_type, count), offset = struct.unpack_from("<IQ", data, offset), offset + 12
+    if element_type != 8:
+        return read_array_solution(data, offset - 12)
+    values = []
+    for _ in range(count):
+        (length,) = struct.unpack_from("<Q", data, offset)
+        values.append(data[offset + 8:offset + 8 + length].decode("utf-8"))
+        offset += 8 + length
+    return values, offset
 
-    ok, out = verdict(check_gpt2_parameter_count, gpt2_parameters, capsys)
-    assert not ok and "calls groundup.exercises.ch12.gpt2_parameters" in out, out
-    assert gpt2_parameters(12, 768, 50257, 1024) == 124_439_808, "the function works again afterwards"
+
+@pytest.mark.parametrize("answer, message, hint", [
+    (lambda data, o: latin_1(data, o), "value 2 is 'Ä\\xa0the', expected 'Ġthe'",
+     "Each string is a uint64 length n (8 bytes, little-endian), then exactly n bytes of UTF-8"),
+    (lambda data, o: read_array_solution(data, o, count_format="<I"),
+     "your function raised error: unpack_from requires a buffer", ""),
+    (lambda data, o: read_array_solution(data, o, formats={**FORMATS, 1: "<B"}), "value 0 is 128, expected -128",
+     "Type 1 is int8: 1 bytes, little-endian, signed"),
+    (lambda data, o: read_array_solution(data, o, formats={**FORMATS, 7: "<B"}), "returned 1 (int) in an array of "
+     "bools", "Type 7 is bool"),
+    (lambda data, o: read_array_solution(data, o, formats={**FORMATS, 6: "<d"}), "for test.float32",
+     "Type 6 is float32: 4 bytes"),
+    (lambda data, o: (read_array_solution(data, o)[0], o), "next_offset", "Return the offset after the last one"),
+    (lambda data, o: tuple(read_array_solution(data, o)[0]), "returned", "expected a pair (values, next_offset)"),
+    (sliced_strings, "the file cut 8 bytes before the end of the last string of test.strings", "instead of raising"),
+])
+def test_array_mistakes_are_named(answer, message, hint, capsys):
+    ok, out = verdict(check_read_array, answer, capsys)
+    assert not ok and message in out and hint in out, out
 
 
-# --- the package's own solutions are refused (bypasses a review found) -------------------------------------------
+def test_strings_left_as_bytes_are_told_to_decode(capsys):
+    def undecoded(data, offset):
+        (_, count), offset = struct.unpack_from("<IQ", data, offset), offset + 12
+        values = []
+        for _ in range(count):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            values.append(data[offset + 8:offset + 8 + length])
+            offset += 8 + length
+        return values, offset
+
+    ok, out = verdict(check_read_array, undecoded, capsys)
+    assert not ok and "returned a string as bytes" in out and "decode('utf-8')" in out, out
 
 
-def test_counting_a_gpt_built_on_the_meta_device_is_refused(capsys):
-    def built(n_layers, d_model, vocab_size, context_length):
-        config = GPTConfig(vocab_size=vocab_size, context_length=context_length, d_model=d_model, n_layers=n_layers,
-                           n_heads=1, positional="learned")
+@pytest.mark.parametrize("answer, called", [
+    (lambda data, offset: gguf.GGUFReader(io.BytesIO(data)), "calls gguf.GGUFReader"),
+    (lambda data, offset: via_package_cursor(data, offset), "calls groundup.gguf._Cursor.__init__"),
+    (lambda data, offset: via_read_gguf(data, offset), "calls groundup.gguf.read_gguf"),
+])
+def test_array_readers_of_the_packages_are_refused(answer, called, capsys):
+    ok, out = verdict(check_read_array, answer, capsys)
+    assert not ok and called in out and "read the bytes yourself" in out, out
+
+
+def via_package_cursor(data, offset):
+    from groundup.gguf import _Cursor, _read_value
+
+    cursor = _Cursor(data, len(data))
+    cursor.pos = offset
+    return _read_value(cursor, 9, "key"), cursor.pos
+
+
+def via_read_gguf(data, offset):
+    from groundup.gguf import read_gguf
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "f.gguf").write_bytes(data)
+        read_gguf(Path(folder) / "f.gguf")
+    raise AssertionError("unreachable: the tripwire stops read_gguf")
+
+
+def test_the_package_cursor_bypass_gives_the_right_answer():
+    """What the refused answer above would get: the right values (so the refusal, not a wrong value, stops it)."""
+    data = b"GGUF" + bytes(20) + struct.pack("<IQ", 5, 2) + struct.pack("<ii", -1, 7)
+    assert via_package_cursor(data, 24) == ([-1, 7], 44) == read_array_solution(data, 24)
+
+
+# --- 12.6: LLaMA's parameter count ----------------------------------------------------------------------------
+
+
+def test_the_meta_gpt_counts_what_the_chapter_quotes():
+    assert _gpt_count(32, 4096, 32, 32, 11008, 32000, False) == 6_738_415_616
+    assert _gpt_count(30, 576, 9, 3, 1536, 49152, True) == 134_515_008
+    assert llama_count_solution(80, 8192, 64, 8, 28672, 32000, False) == _gpt_count(80, 8192, 64, 8, 28672, 32000,
+                                                                                     False) == 68_976_648_192
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (lambda n, d, h, kv, f, v, tied: llama_count_solution(n, d, h, kv, f, v, tied) + (0 if tied else v * d),
+     "W_E and U are one"),
+    (lambda n, d, h, kv, f, v, tied: llama_count_solution(n, d, h, kv, f, v, True), "U is its own matrix"),
+    (lambda n, d, h, kv, f, v, tied: llama_count_solution(n, d, h, h, f, v, tied), "W_K and W_V have"),
+    (lambda n, d, h, kv, f, v, tied: llama_count_solution(n, d, h, kv, f, v, tied) - d, "the final RMSNorm's gamma"),
+    (lambda n, d, h, kv, f, v, tied: llama_count_solution(n, d, h, kv, f, v, tied) + (2 * n + 1) * d,
+     "no shift beta"),
+    (lambda n, d, h, kv, f, v, tied: float(llama_count_solution(n, d, h, kv, f, v, tied)),
+     "as an int"),
+])
+def test_count_mistakes_are_named(answer, hint, capsys):
+    ok, out = verdict(check_llama_parameter_count, answer, capsys)
+    assert not ok and hint in out, out
+
+
+def test_counting_with_a_tied_matrix_counted_twice_is_named(capsys):
+    ok, out = verdict(check_llama_parameter_count, lambda n, d, h, kv, f, v, tied:
+                      llama_count_solution(n, d, h, kv, f, v, False), capsys)
+    assert not ok and "my_llama_parameter_count(30, 576, 9, 3, 1536, 49152, True)" in out, out
+    assert "the one shared matrix counts once" in out, out
+
+
+def test_building_a_model_to_count_is_refused(capsys):
+    def built(n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, tied):
+        config = GPTConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                           n_kv_heads=n_kv_heads, d_ff=d_ff, positional="rope", norm="rmsnorm",
+                           activation="swiglu", bias=False, tie_weights=tied)
         with torch.device("meta"):
             return sum(p.numel() for p in GPT(config).parameters())
 
-    assert built(2, 8, 65, 16) == gpt2_parameters(2, 8, 65, 16), "the trick gives the right number"
-    ok, out = verdict(check_gpt2_parameter_count, built, capsys)
+    ok, out = verdict(check_llama_parameter_count, built, capsys)
     assert not ok and "calls groundup.models.GPT" in out and "without building a model" in out, out
-    assert built(2, 8, 65, 16) == gpt2_parameters(2, 8, 65, 16), "GPT can be built again afterwards"
+    assert built(1, 4, 1, 1, 4, 3, True) == llama_count_solution(1, 4, 1, 1, 4, 3, True), "GPT works afterwards"
 
 
-def test_counting_a_transformers_gpt2_is_refused(capsys):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    def built(n_layers, d_model, vocab_size, context_length):
-        config = GPT2Config(n_layer=n_layers, n_embd=d_model, n_head=1, vocab_size=vocab_size,
-                            n_positions=context_length)
-        with torch.device("meta"):
-            return GPT2LMHeadModel(config).num_parameters()
-
-    assert built(2, 8, 65, 16) == gpt2_parameters(2, 8, 65, 16), "the trick gives the right number"
-    ok, out = verdict(check_gpt2_parameter_count, built, capsys)
-    assert not ok and "calls transformers" in out and "without building a model" in out, out
-    assert built(2, 8, 65, 16) == gpt2_parameters(2, 8, 65, 16), "GPT2LMHeadModel can be built again afterwards"
-
-
-def test_the_checkers_own_q4_1_decoder_is_refused(capsys):
+def test_the_checkers_own_count_is_refused(capsys):
     from groundup.exercises import ch12
 
-    def reference(block):
-        return torch.tensor(ch12._q4_1_reference(bytes(block.tolist())))
-
-    ok, out = verdict(check_decode_q4_1_block, reference, capsys)
-    assert not ok and "calls groundup.exercises.ch12._q4_1_reference" in out, out
-    block = bytes.fromhex("003800c0") + bytes(range(16))  # d = 0.5, m = -2, q = 0, ..., 15 then all 0
-    assert ch12._q4_1_reference(block) == [0.5 * q - 2 for q in range(16)] + [-2.0] * 16, "it works afterwards"
+    ok, out = verdict(check_llama_parameter_count, lambda *case: ch12._gpt_count(*case), capsys)
+    assert not ok and "calls groundup.exercises.ch12._gpt_count" in out, out
 
 
-def test_the_checkers_own_byte_count_is_refused(capsys):
-    ok, out = verdict(check_gguf_bytes, lambda *args: gguf_tensor_bytes(*args), capsys)
-    assert not ok and "calls groundup.exercises.ch12.gguf_tensor_bytes" in out, out
-    assert gguf_tensor_bytes(30, 576, 9, 3, 1536, 49152, "Q4_1", "Q8_0") == 96_576_768, "it works afterwards"
+# --- 12.7: GGUF names -----------------------------------------------------------------------------------------
 
 
-def test_the_byte_count_may_use_the_chapters_n_bytes(capsys):
-    """The chapter computes sizes with Q.n_bytes before the exercise: an answer built on it is the reader's own."""
-    types = {"F32": Q.F32, "F16": Q.F16, "Q8_0": Q.Q8_0, "Q4_1": Q.Q4_1}
+def test_book_name_with_up_and_down_misnamed_is_told_the_books_names(capsys):
+    ok, out = verdict(check_book_name, lambda name: book_name_solution(
+        name, {**PARTS, "ffn_up": "ffn.W_up", "ffn_down": "ffn.W_down"}), capsys)
+    assert not ok and "my_book_name('blk.0.ffn_up.weight') = 'blocks.0.ffn.W_up.weight'" in out, out
+    assert "which the book's FeedForward calls ffn.W_in" in out
 
-    def with_n_bytes(n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, matrices, embedding):
-        d_kv = d_model // n_heads * n_kv_heads
-        per_block = 2 * d_model * d_model + 2 * d_model * d_kv + 3 * d_model * d_ff
-        return (Q.n_bytes((n_layers * per_block,), types[matrices]) + Q.n_bytes((vocab_size * d_model,),
-                types[embedding]) + Q.n_bytes(((2 * n_layers + 1) * d_model,), Q.F32))
 
-    ok, out = verdict(check_gguf_bytes, with_n_bytes, capsys)
-    assert ok, out
+def test_book_name_that_accepts_unknown_names_is_rejected(capsys):
+    def lenient(name):
+        if name in TOP:
+            return TOP[name]
+        pieces = name.split(".")
+        return f"blocks.{pieces[1]}.{PARTS.get(pieces[2], pieces[2])}.{pieces[-1]}"
+
+    ok, out = verdict(check_book_name, lenient, capsys)
+    assert not ok and "my_book_name('blk.x.attn_q.weight') returned 'blocks.x.attention.W_q.weight'" in out, out
+    assert "raise KeyError or ValueError" in out
+
+
+def test_book_name_raising_the_wrong_error_is_told_which_to_raise(capsys):
+    def index_error(name):
+        try:
+            return book_name_solution(name)
+        except KeyError:
+            raise IndexError(name) from None
+
+    ok, out = verdict(check_book_name, index_error, capsys)
+    assert not ok and "raised IndexError" in out and "raise KeyError or ValueError on purpose" in out, out
+
+
+def test_book_name_from_the_packages_table_is_refused(capsys):
+    from groundup.pretrained import gguf_tensor_names
+
+    def table(name):
+        config = GPTConfig(n_layers=1000, tie_weights=False, positional="rope")
+        return {theirs: ours for ours, theirs in gguf_tensor_names(config).items()}[name]
+
+    ok, out = verdict(check_book_name, table, capsys)
+    assert not ok and "calls groundup.pretrained.gguf_tensor_names" in out and "the book's loader" in out, out
