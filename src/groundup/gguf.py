@@ -113,10 +113,12 @@ class GGUFFile:
         info = self._info(name)
         return torch.from_numpy(self._data[info.offset:info.offset + info.n_bytes])
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` dequantized to float32, in PyTorch shape (``dims`` reversed); a NaN or an infinity in it
-        (a NaN scale, say) is a :class:`GGUFError` naming the tensor."""
-        return self._read(name, quantization.dequantize)
+    def tensor(self, name: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``name`` dequantized to float32, in PyTorch shape (``dims`` reversed): a new tensor, or ``out`` (a
+        contiguous float32 tensor of that shape) written in place, a slice at a time (see
+        :func:`groundup.quantization.dequantize`). A NaN or an infinity in it (a NaN scale, say) is a
+        :class:`GGUFError` naming the tensor."""
+        return self._read(name, lambda raw, ggml_type, shape: quantization.dequantize(raw, ggml_type, shape, out=out))
 
     def block_parts(self, name: str):
         """Block-quantized 2-D tensor ``name`` as :func:`groundup.quantization.block_parts` gives it (its int8

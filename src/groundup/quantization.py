@@ -48,6 +48,7 @@ BLOCK_LAYOUT = {F32: (1, 4), F16: (1, 2), BF16: (1, 2),
                 Q8_0: (BLOCK_SIZE, 2 + BLOCK_SIZE),
                 **{t: (kquants.QK_K, size) for t, size in kquants.BLOCK_BYTES.items()}}
 FLOAT16_MAX = 65504.0
+BFLOAT16_MAX = torch.finfo(torch.bfloat16).max  # (2 - 2^-7) 2^127 = 3.3895e38
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -282,7 +283,13 @@ def quantize_q5_1(x: torch.Tensor) -> torch.Tensor:
 
 
 def _bfloat16_bytes(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> bfloat16's bytes, rounding to nearest even as GGML does (``ggml_compute_fp32_to_bf16``)."""
+    """float32 -> bfloat16's bytes, rounding to nearest even as GGML does (``ggml_compute_fp32_to_bf16``).
+
+    A finite value beyond bfloat16's largest number is refused, as F16 refuses one beyond float16's: rounded, it
+    would be stored as an infinity, which no weight is (and :func:`dequantize` refuses)."""
+    if x.numel() and x.abs().max() > BFLOAT16_MAX:
+        raise ValueError(f"x is too large for BF16: a value reaches {x.abs().max().item():.5g}, beyond bfloat16's "
+                         f"largest number {BFLOAT16_MAX:.5g}")
     return x.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1)
 
 
@@ -351,24 +358,55 @@ def block_parts(raw: torch.Tensor, ggml_type: int, shape) -> tuple[torch.Tensor,
             None if offset is None else offset.reshape(rows, -1).contiguous(), group)
 
 
-def dequantize(raw: torch.Tensor, ggml_type: int, shape) -> torch.Tensor:
+#: How many weights :func:`dequantize` decodes at a time (rounded down to whole blocks): its temporaries (the small
+#: integers, their float32 products, the finiteness check) are those of one such slice, whatever the tensor's size.
+DECODE_SLICE = 2**18
+
+
+def _check_out(out, shape: tuple[int, ...]) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor (float32, shape {shape}), got {type(out).__name__}")
+    if out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {shape}, got "
+                         f"{'a non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} tensor of shape "
+                         f"{tuple(out.shape)}")
+    return out
+
+
+def dequantize(raw: torch.Tensor, ggml_type: int, shape, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """A GGUF tensor's bytes (1-D uint8) -> float32 of ``shape``, for every type of :data:`TYPE_NAMES`.
 
     ``shape`` is in PyTorch order, the contiguous size last (GGUF's tensor table lists the sizes the other way
     round: ``ne[0]`` first). The byte count is checked against the shape before anything is allocated, and a
     result holding a NaN or an infinity is refused (ValueError).
+
+    The result is always a new tensor (never a view of ``raw``), or ``out`` -- a contiguous float32 tensor of
+    ``shape``, a model's parameter say -- written in place. The blocks are decoded :data:`DECODE_SLICE` weights at a
+    time, straight into the result, so the temporaries stay those of one slice (a few MiB) however large the tensor;
+    every block is decoded on its own, so the numbers are the same as decoding the whole at once, bit for bit.
     """
     ggml_type = _check_type(ggml_type)
     shape = _check_shape(shape, ggml_type)
-    if ggml_type in BLOCK_TYPES:
-        x = dequantize_parts(*_parts(_check_raw(raw, ggml_type, shape), ggml_type)).reshape(shape)
-    else:
-        x = _check_raw(raw, ggml_type, shape).contiguous().view(_PLAIN[ggml_type]).reshape(shape).to(torch.float32)
-    bad = x.numel() - int(torch.isfinite(x).sum())
+    blocks = _check_raw(raw, ggml_type, shape)
+    out = torch.empty(shape, dtype=torch.float32) if out is None else _check_out(out, shape)
+    per_block = BLOCK_LAYOUT[ggml_type][0]
+    weights = out.view(-1, per_block)  # row i: the weights of block i
+    step = max(1, DECODE_SLICE // per_block)
+    bad = 0
+    with torch.no_grad():  # out may be a parameter
+        for start in range(0, blocks.shape[0], step):
+            part, into = blocks[start:start + step], weights[start:start + step]
+            if ggml_type in BLOCK_TYPES:
+                into.copy_(dequantize_parts(*_parts(part, ggml_type)))
+            else:  # the plain types: F32 copied, F16 and BF16 widened (both exact)
+                into.copy_(part.contiguous().view(_PLAIN[ggml_type]))
+            finite = torch.isfinite(into)
+            if not bool(finite.all()):
+                bad += into.numel() - int(finite.sum())
     if bad:
         raise ValueError(f"{TYPE_NAMES[ggml_type]} data of shape {shape} decodes to {bad:,} NaN or infinite "
                          f"value(s) (a NaN or infinite number, or scale, in the bytes)")
-    return x
+    return out
 
 
 def quantize(x: torch.Tensor, ggml_type: int) -> torch.Tensor:

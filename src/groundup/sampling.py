@@ -116,12 +116,13 @@ def _sample_smollm2(args) -> int:
     from groundup.data import CorpusError
     from groundup.pretrained import encode_chat, load_smollm2
 
+    if args.quantized and args.adapter:  # flags that do not go together: a usage error, before anything is loaded
+        print("error: --adapter cannot be used with --quantized: --adapter merges LoRA's update into float32 "
+              "weights, --quantized keeps them in their GGUF blocks", file=sys.stderr)
+        return 2
     try:
         if args.chat and not args.prompt:
             raise ValueError("--chat needs --prompt: the user's message")
-        if args.quantized and args.adapter:
-            raise ValueError("--adapter merges LoRA's update into float32 weights; it cannot be used with "
-                             "--quantized, whose weights stay in their GGUF blocks")
         device = _sample_device(args)
         model, tokenizer = load_smollm2(keep_quantized=args.quantized)
         if args.adapter:
