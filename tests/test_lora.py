@@ -264,6 +264,18 @@ def test_bad_arguments_are_refused_clearly():
         merge_lora(tiny_gpt())
 
 
+def test_an_impossible_rank_names_the_smallest_bound_among_all_the_layers():
+    # grouped-query attention: W_q is 32 -> 32, W_v 32 -> 8 (one key-value head of 8), W_in 32 -> 128
+    for r in (40, 20):  # above every bound, then above W_v's only: the same bound both times, before anything attaches
+        model = tiny_gpt(n_kv_heads=1)
+        with pytest.raises(ValueError, match=rf"^r = {r} exceeds 8, the smallest min\(in_features, out_features\) "
+                                             r"among the layers to adapt \(blocks.0.attention.W_v: 32 -> 8\): an "
+                                             r"update of rank above 8 is impossible there, so r must be at most 8$"):
+            attach_lora(model, ("W_q", "W_v", "W_in"), r=r)
+        assert not lora_layers(model) and all(p.requires_grad for p in model.parameters())
+    assert len(attach_lora(tiny_gpt(n_kv_heads=1), ("W_q", "W_v", "W_in"), r=8)) == 6
+
+
 # ---- the adapters alone, saved and loaded ---------------------------------------------------------------------
 
 def trained_adapter(seed=0):
@@ -353,6 +365,17 @@ def test_hostile_adapter_files_are_refused_before_allocating(tmp_path):
     refused({**state, "format": "other"}, "not a LoRA adapter state")
     refused([1, 2, 3], "not a LoRA adapter state")
     refused({**state, "version": 99}, "version 99")
+    # values: not finite, or too large to compute with in the model's float32 (one entry is enough)
+    for part, value, match in (("A", math.nan, "A of layer blocks.0.attention.W_q holds values that are not finite"),
+                               ("B", -math.inf, "B of layer blocks.0.attention.W_q holds values that are not finite"),
+                               ("A", 1e38, r"A x reaches 1e\+38, beyond 1.84e\+19"),
+                               ("B", 1e38, r"\(alpha / r\) B A x reaches .*, beyond 1.84e\+19")):
+        bad = state[part][name].clone()
+        bad[1, 2] = value
+        refused({**state, part: {**state[part], name: bad}}, match)
+    as_float64 = state["A"][name].double()
+    as_float64[0, 0] = 1e300  # finite in float64, inf in the float32 model it would be copied into
+    refused({**state, "A": {**state["A"], name: as_float64}}, "not finite in torch.float32")
     (tmp_path / "junk.pt").write_bytes(b"not a torch file")
     with pytest.raises(ValueError, match="junk.pt is not a LoRA adapter file"):
         load_lora(base, tmp_path / "junk.pt")

@@ -31,9 +31,11 @@ import torch
 
 from groundup import flags
 from groundup.data import sha256_bytes
+from groundup.footprint import check_fits, training_bytes
 from groundup.lora import DEFAULT_TARGETS, attach_lora, check_base, count_parameters
-from groundup.run_folder import describe_error, interrupted_message, remove_if_unused, run_lock
+from groundup.run_folder import describe_error, interrupted_message, run_lock
 from groundup.training import CHECKPOINT_NAME, TrainConfig, read_checkpoint, train
+from groundup.utils import default_device
 
 __all__ = ["add_finetune_parser", "finetune_command", "load_base", "load_adapters", "read_finetune_run",
            "FINETUNE_DEFAULTS", "BASE_NAME"]
@@ -41,11 +43,12 @@ __all__ = ["add_finetune_parser", "finetune_command", "load_base", "load_adapter
 BASE_NAME = "smollm2"
 """The base model ``groundup finetune`` adapts: SmolLM2-135M-Instruct (:func:`groundup.pretrained.load_smollm2`)."""
 
-FINETUNE_DEFAULTS = dict(rank=8, alpha=16.0, steps=100, batch_size=8, lr=2e-3, warmup=10, seed=0, context=128,
-                         n_train=1000, n_eval=50, eval_interval=25, eval_batches=4, max_new_tokens=16)
-"""The defaults of ``groundup finetune``. A step of 8 dates (about 75 tokens each) takes about 2.3 s with two
-threads on two otherwise idle CPU cores (measured; 12 s on one thread of a busy machine); answering the 50
-held-out dates about two minutes there."""
+FINETUNE_DEFAULTS = dict(rank=8, alpha=16.0, steps=40, batch_size=8, lr=2e-3, warmup=4, seed=0, context=128,
+                         n_train=1000, n_eval=50, eval_interval=10, eval_batches=4, max_new_tokens=16)
+"""The defaults of ``groundup finetune``: chapter 13's settings, those of its stored runs (``tools/ch13_results.py``'s
+``FINETUNE``), so ``groundup finetune --out ft/ --seed 0`` is the chapter's run of seed 0. A step of 8 dates (about
+75 tokens each) takes about 2.3 s with two threads on two otherwise idle CPU cores (measured; 12 s on one thread of
+a busy machine); answering the 50 held-out dates about two minutes there."""
 
 DATA_SEED = 0
 """The seed of the data: chapter 10's split of the dates, and the held-out draw of a --data file (not --seed)."""
@@ -222,6 +225,12 @@ def _check_base(ckpt: dict, model, flag: str, where: Path) -> None:
 
 def read_finetune_run(folder: Path, flag: str) -> tuple[dict, dict]:
     """``(checkpoint, settings)`` of a ``groundup finetune`` run folder; an error naming ``flag`` otherwise."""
+    if Path(folder).is_file():
+        raise ValueError(f"{flag} {folder} is a file: give the run folder groundup finetune wrote (it holds "
+                         f"{CHECKPOINT_NAME})")
+    if not (Path(folder) / CHECKPOINT_NAME).is_file():
+        raise ValueError(f"{flag} {folder}: no {CHECKPOINT_NAME} there: fine-tune first "
+                         f"(groundup finetune --out {folder})")
     try:
         ckpt = read_checkpoint(Path(folder) / CHECKPOINT_NAME)
     except (ValueError, FileNotFoundError) as err:
@@ -259,6 +268,23 @@ def _in_flags(message: str) -> str:
     return re.sub(pattern, lambda m: _FLAG_OF_FIELD[m.group(1)], message)
 
 
+def _check_memory(model, settings: dict, config: TrainConfig, train_data, *, resumed: bool) -> None:
+    """Refuse a --batch-size whose training cannot fit in the device's memory, before anything of its size is
+    allocated (as ``groundup train`` does: :mod:`groundup.footprint`'s lower estimate against the total memory).
+
+    The estimate: the model, gradients and AdamW's moments of the adapters alone (the base is frozen), and for a
+    batch the logits, their gradient and one activation per block for every token of its padded examples, at least
+    ``batch_size`` times the shortest training example."""
+    shortest = min(len(ids) for ids in train_data.ids)
+    batch = config.batch_size
+    device = torch.device(config.device) if config.device else default_device()
+    needed = training_bytes(model, batch, shortest)["total"]
+    given = "the run's stored --batch-size" if resumed else "--batch-size"
+    check_fits(needed, f"{given} {batch} (batches of at least {batch:,} x {shortest} tokens, {settings['base']} "
+                       f"with rank-{settings['rank']} adapters)", device=device,
+               advice="resume it on a machine with more memory" if resumed else "choose a smaller --batch-size")
+
+
 def _prepare(args, out: Path):
     """``(model, tokenizer, settings, train_config, data, test_pairs, announce)`` of a new or resumed run."""
     if args.resume:
@@ -288,6 +314,7 @@ def _prepare(args, out: Path):
         _check_base(ckpt, model, "--resume", out)
     data = _encode(tokenizer, settings, train_pairs, val_pairs)
     _attach(model, settings)
+    _check_memory(model, settings, train_config, data[0], resumed=args.resume)
     what = "the dates task" if settings["task"] == "dates" else f"--data {settings['data_file']}"
     announce = (f"resuming {out} at step {ckpt['step']} of {train_config.max_steps}" if args.resume else
                 f"fine-tuning {settings['base']} ({count_parameters(model) / 1e6:.1f} M parameters, frozen) with "
@@ -303,9 +330,8 @@ def finetune_command(args) -> int:
     out = Path(args.out).expanduser()
     if args.threads:
         torch.set_num_threads(args.threads)
-    created = not out.exists()
     try:
-        with run_lock(out, command="finetune"):
+        with run_lock(out, command="finetune"):  # on the way out: no lock left, and no folder it made for nothing
             model, tokenizer, settings, config, (train_data, val_data), test_pairs, announce = _prepare(args, out)
             print(announce, flush=True)
             history = train(model, train_data, val_data, config, extra={"finetune": settings},
@@ -317,11 +343,9 @@ def finetune_command(args) -> int:
             answering = time.perf_counter() - start
     except KeyboardInterrupt as stop:
         print(f"\n{interrupted_message(stop, out, 'finetune')}", file=sys.stderr)
-        remove_if_unused(out, created)
         return 130
     except (ValueError, TypeError, OSError) as err:
         print(f"error: {describe_error(err)}", file=sys.stderr)
-        remove_if_unused(out, created)
         return 1
     for (prompt, answer), predicted in list(zip(test_pairs, predictions))[:3]:
         shown = prompt.rsplit(": ", 1)[-1] if settings["task"] == "dates" else prompt  # the date in words

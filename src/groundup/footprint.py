@@ -8,9 +8,9 @@ parameters and buffers are counted, and the total is compared with the memory of
 
 The bound: refuse when a *lower* estimate of the need exceeds the device's total memory (the machine's physical
 memory for the CPU, the GPU's own memory for CUDA). For using a model the estimate is its parameters and buffers;
-for training it adds a gradient and AdamW's two moments per parameter (float32: 16 bytes per parameter in all),
-the logits of one batch and their gradient, and one activation of the residual stream per block. Everything else a
-run needs comes on top, so what this refuses can never fit, and what it lets through may still be too big (the
+for training it adds a gradient and AdamW's two moments per trainable parameter (float32: 16 bytes per parameter in
+all), the logits of one batch and their gradient, and one activation of the residual stream per block. Everything
+else a run needs comes on top, so what this refuses can never fit, and what it lets through may still be too big (the
 allocator then says so, as for any program); it exists to stop absurd sizes before they cost anything.
 """
 
@@ -52,14 +52,16 @@ def _vocab_and_layers(config) -> tuple[int, int]:
 def training_bytes(model: nn.Module, batch_size: int, context_length: int) -> dict:
     """A lower estimate of the memory that training ``model`` (possibly a meta model) takes, in bytes, by part.
 
-    ``parameters``: weights, gradients and AdamW's two moments, 4 copies of every parameter (Muon keeps less
-    for its matrices, but the rest of the parameters use AdamW); ``buffers``: the model's fixed tables;
+    ``parameters``: weights, gradients and AdamW's two moments, 4 copies of every trainable parameter (Muon keeps
+    less for its matrices, but the rest of the parameters use AdamW) and 1 of every frozen one (``requires_grad``
+    off: LoRA's base, chapter 13); ``buffers``: the model's fixed tables;
     ``activations``: the logits of one batch of ``batch_size`` x ``context_length`` tokens and their gradient,
     plus one d_model-wide activation per block. ``total`` adds them up.
     """
     vocab, layers = _vocab_and_layers(model.config)
     tokens = batch_size * context_length
-    parts = {"parameters": 4 * _bytes(model.parameters()), "buffers": _bytes(model.buffers()),
+    trainable = _bytes(p for p in model.parameters() if p.requires_grad)
+    parts = {"parameters": _bytes(model.parameters()) + 3 * trainable, "buffers": _bytes(model.buffers()),
              "activations": 4 * tokens * (2 * vocab + layers * model.config.d_model)}
     parts["total"] = sum(parts.values())
     return parts

@@ -132,6 +132,21 @@ def _check_rank(r, base: nn.Linear) -> int:
     return int(r)
 
 
+def _check_rank_for_all(r, layers: dict[str, nn.Linear]) -> None:
+    """Refuse a rank that one of ``layers`` cannot take, naming the smallest bound among them all (not the first
+    layer's: SmolLM2's W_q is 576 x 576 but its W_v 192 x 576, so "at most 576" would be followed by "at most 192").
+    A rank that is not a positive integer is left to :class:`LoRALinear`'s message."""
+    if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 1:
+        return
+    name = min(layers, key=lambda n: min(layers[n].in_features, layers[n].out_features))
+    layer = layers[name]
+    bound = min(layer.in_features, layer.out_features)
+    if r > bound:
+        raise ValueError(f"r = {r} exceeds {bound}, the smallest min(in_features, out_features) among the layers to "
+                         f"adapt ({name}: {layer.in_features} -> {layer.out_features}): an update of rank above "
+                         f"{bound} is impossible there, so r must be at most {bound}")
+
+
 def _matches(name: str, targets: Iterable[str]) -> bool:
     """``blocks.0.attention.W_q`` matches the targets ``"W_q"`` and ``"attention.W_q"`` (a dotted suffix)."""
     return any(name == t or name.endswith("." + t) for t in targets)
@@ -167,6 +182,7 @@ def attach_lora(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS, *, r
         kinds = sorted({name.rsplit(".", 1)[-1] for name in linear})
         raise ValueError(f"targets {missing} name no nn.Linear layer of this {type(model).__name__}; its linear "
                          f"layers are called {kinds}")
+    _check_rank_for_all(r, chosen)
     adapters = {name: LoRALinear(m, r, alpha, dropout=dropout) for name, m in chosen.items()}
     for p in model.parameters():
         p.requires_grad_(False)
@@ -303,14 +319,48 @@ def check_base(model: nn.Module, state) -> None:
         raise ValueError(f"the adapters do not fit this model ({err})") from None
 
 
+def _check_finite(name: str, layer: nn.Module, A: torch.Tensor, B: torch.Tensor, scale: float) -> None:
+    """Refuse an adapter (of checked shapes) that cannot compute finite numbers in ``layer``'s dtype.
+
+    Every entry of ``A`` and ``B`` must be finite in that dtype (float64's 1e300 is inf in float32). And for inputs
+    ``x`` whose entries are at most 1 in size, the adapter's ``A x`` and its output ``(alpha / r) B A x`` must stay
+    below the square root of the dtype's largest number (1.8e19 in float32): what a layer outputs is squared next
+    (RMSNorm's mean square, attention's dot products), so a larger output overflows there even where it is finite
+    itself. Their worst cases over such inputs are absolute row sums, ``|A| 1`` and ``(alpha / r) |B| |A| 1``, so
+    two small sums decide it. A single 1e38 in A or B is refused; a trained adapter (entries of order 0.01 to 1,
+    row sums of tens) is some seventeen orders of magnitude inside the bound, so no file training writes is
+    refused. The bound refuses files; it is not a promise about every input (real activations can exceed 1).
+    """
+    base = layer.base if isinstance(layer, LoRALinear) else layer
+    dtype = base.weight.dtype
+    for key, t in (("A", A), ("B", B)):
+        if not bool(torch.isfinite(t.detach().to(dtype)).all()):
+            raise ValueError(f"the adapter's {key} of layer {name} holds values that are not finite in {dtype} "
+                             "(nan or inf; e.g. 1e300 overflows float32): a damaged or edited file")
+    limit = math.sqrt(torch.finfo(dtype).max)
+    a, b = A.detach().double().abs(), B.detach().double().abs()
+    with torch.no_grad():
+        a_x = a.sum(1)
+        worst = {"A x": a_x.max().item(), "(alpha / r) B A x": scale * (b @ a_x).max().item()}
+    for what, value in worst.items():
+        if not value < limit:
+            raise ValueError(f"the adapter of layer {name} is too large for {dtype}: for inputs x whose entries are "
+                             f"at most 1, {what} reaches {value:.3g}, beyond {limit:.3g} (the square root of the "
+                             f"largest {dtype} number: the next norm or dot product would overflow); its A holds "
+                             f"entries up to {a.max().item():.3g}, its B up to {b.max().item():.3g}: a damaged or "
+                             "edited file")
+
+
 def load_lora(model: nn.Module, state_or_path, *, dropout: float = 0.0) -> dict[str, LoRALinear]:
     """Load adapters (a :func:`lora_state_dict` or a :func:`save_lora` file) onto ``model``; return them by name.
 
     A model without adapters gets them attached first (the stored layers, r and alpha; everything else frozen);
     a model with adapters must have the same layers, r and alpha. Refused with a ``ValueError`` naming what
     differs, before anything of the file's size is allocated: a missing layer, another layer shape, another
-    rank or alpha, a tensor of the wrong shape or dtype, or another base model (the SHA-256 fingerprint of the
-    adapted layers' pretrained weights). Files are read with ``weights_only=True`` and memory-mapped.
+    rank or alpha, a tensor of the wrong shape or dtype, values that are not finite or too large to compute with
+    in the model's dtype (NaN, inf, 1e38: see :func:`_check_finite`), or another base model (the SHA-256
+    fingerprint of the adapted layers' pretrained weights). Files are read with ``weights_only=True`` and
+    memory-mapped.
     """
     if isinstance(state_or_path, (str, os.PathLike)):
         try:
@@ -338,6 +388,7 @@ def load_lora(model: nn.Module, state_or_path, *, dropout: float = 0.0) -> dict[
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"the adapter's {key} of layer {name} must be a floating-point tensor of shape "
                                  f"{expected} (r = {r}), got {got}")
+        _check_finite(name, layer, state["A"][name], state["B"][name], alpha / r)
     present = lora_layers(model)
     if present and set(present) != set(layers):
         raise ValueError(f"the model's adapters are on {sorted(present)} but the file's on {sorted(layers)}")
