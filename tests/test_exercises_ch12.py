@@ -1,10 +1,20 @@
 """Chapter 12's checkers: each accepts the notebook's hidden solution, rejects plausible wrong answers with the right
-hint, refuses answers that call the package's own solution or the gguf package's, reports an answer that raises,
-treats the unattempted stub kindly and reports answers that modify their inputs."""
+hint, refuses answers that call the package's own solution or the gguf package's (also from a thread or a process of
+their own, or through a copy of its code), reports an answer that raises, treats the unattempted stub kindly and
+reports answers that modify their inputs."""
 
+import concurrent.futures
+import inspect
 import io
+import os
+import queue
 import struct
+import subprocess
+import sys
 import tempfile
+import threading
+import types
+import warnings
 from pathlib import Path
 
 import gguf
@@ -20,13 +30,13 @@ from groundup.exercises.ch12 import (
     _gpt_count,
     _q8_0_cases,
     _unpermute,
-    check_book_name,
     check_dequantize_q6_k,
     check_llama_parameter_count,
     check_quantize_q8_0,
     check_read_array,
     check_rotary_permutation,
     check_unpermute_rows,
+    check_write_gguf,
 )
 from groundup.models import GPT, GPTConfig
 
@@ -92,20 +102,22 @@ def llama_count_solution(n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_siz
     return vocab_size * d_model * (1 if tied else 2) + n_layers * block + d_model
 
 
-PARTS = {"attn_norm": "norm_1", "attn_q": "attention.W_q", "attn_k": "attention.W_k", "attn_v": "attention.W_v",
-         "attn_output": "attention.W_o", "ffn_norm": "norm_2", "ffn_gate": "ffn.W_gate", "ffn_up": "ffn.W_in",
-         "ffn_down": "ffn.W_out"}
-TOP = {"token_embd.weight": "token_embedding.weight", "output_norm.weight": "final_norm.weight",
-       "output.weight": "unembedding.weight"}
+def write_gguf_solution(path, name, tensor, *, sizes=None, align=32, offset=None, length="bytes",
+                        entries=(("general.architecture", "llama"),), extra=b""):
+    def string(text):
+        raw = text.encode("utf-8")
+        if length == "none":
+            return raw
+        return struct.pack("<Q", len(text) if length == "characters" else len(raw)) + raw
 
-
-def book_name_solution(gguf_name, parts=PARTS):
-    if gguf_name in TOP:
-        return TOP[gguf_name]
-    pieces = gguf_name.split(".")
-    if len(pieces) != 4 or pieces[0] != "blk" or not pieces[1].isdigit() or pieces[3] != "weight":
-        raise KeyError(gguf_name)
-    return f"blocks.{int(pieces[1])}.{parts[pieces[2]]}.weight"
+    dims = tuple(reversed(tensor.shape)) if sizes is None else sizes(tensor)
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, len(entries))
+    head += b"".join(string(key) + struct.pack("<I", 8) + string(value) for key, value in entries)
+    table = string(name) + struct.pack(f"<I{len(dims)}QI", len(dims), *dims, 0)
+    used = len(head) + len(table) + 8
+    start = -(-used // align) * align
+    table += struct.pack("<Q", start if offset == "file" else 0)
+    Path(path).write_bytes(head + table + bytes(start - used) + tensor.contiguous().numpy().tobytes() + extra)
 
 
 def stub(*args):
@@ -130,7 +142,7 @@ def _unwrapped_verdicts(monkeypatch):
 SOLUTIONS = [(check_quantize_q8_0, quantize_q8_0_solution), (check_dequantize_q6_k, dequantize_q6_k_solution),
              (check_rotary_permutation, permutation_solution), (check_unpermute_rows, unpermute_rows_solution),
              (check_read_array, read_array_solution), (check_llama_parameter_count, llama_count_solution),
-             (check_book_name, book_name_solution)]
+             (check_write_gguf, write_gguf_solution)]
 
 
 @pytest.mark.parametrize("checker, solution", SOLUTIONS, ids=lambda f: getattr(f, "__name__", ""))
@@ -240,7 +252,7 @@ def q6_k(raw, minus=32, scale_type=torch.int8, neighbours=False):
     (lambda raw: q6_k(raw, neighbours=True), "The two nibbles of a ql byte are not neighbouring weights"),
     (lambda raw: q6_k(raw).double(), "Compute in float32"),
     (lambda raw: q6_k(raw).reshape(-1, 256), "put them one after the other in a 1-D tensor"),
-    (lambda raw: q6_k(raw) * (1 + 2 ** -20), "ql byte 64 h + p % 64"),
+    (lambda raw: q6_k(raw) * (1 + 2 ** -20), "the low nibble of ql byte l gives the low four bits of weight l"),
 ])
 def test_q6_k_mistakes_are_named(answer, hint, capsys):
     ok, out = verdict(check_dequantize_q6_k, answer, capsys)
@@ -305,6 +317,39 @@ def test_an_answer_of_the_wrong_kind_is_told_what_is_wrong_with_it(answer, messa
     ok, out = verdict(check_rotary_permutation, answer, capsys)
     out = " ".join(out.split())
     assert not ok and f"my_rotary_permutation(2) {message}" in out and hint in out, out
+
+
+def searched_with_the_package(d_head):
+    """Tries permutations with the package's rotary embedding until one fits: a search, not the pairing."""
+    from itertools import permutations
+
+    from groundup.positional import RotaryEmbedding
+
+    x, t = torch.randn(1, d_head, dtype=torch.float64), torch.tensor([3])
+    half, interleaved = RotaryEmbedding(d_head, pairing="half"), RotaryEmbedding(d_head)
+    for perm in permutations(range(d_head)):
+        perm = list(perm)
+        if torch.allclose(interleaved.apply_rotary(x[:, perm], t), half.apply_rotary(x, t)[:, perm]):
+            return perm
+    raise AssertionError("none found")
+
+
+def with_transformers(d_head):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from transformers.models.llama.modeling_llama import rotate_half
+
+    rotate_half(torch.zeros(d_head))
+    return permutation_solution(d_head)
+
+
+@pytest.mark.parametrize("answer, refused", [
+    (searched_with_the_package, "calls groundup.positional.RotaryEmbedding.__init__"),
+    (with_transformers, "calls transformers.models.llama.modeling_llama.rotate_half"),
+])
+def test_permutation_searched_with_rotary_code_is_refused(answer, refused, capsys):
+    ok, out = verdict(check_rotary_permutation, answer, capsys)
+    assert not ok and refused in out and "pairing the dimensions yourself" in out, out
 
 
 # --- 12.4: un-permuting W_Q and W_K ---------------------------------------------------------------------------
@@ -485,8 +530,27 @@ def test_building_a_model_to_count_is_refused(capsys):
             return sum(p.numel() for p in GPT(config).parameters())
 
     ok, out = verdict(check_llama_parameter_count, built, capsys)
-    assert not ok and "calls groundup.models.GPT" in out and "without building a model" in out, out
+    assert not ok and "calls torch.nn.Module.__init__ (it builds a model)" in out, out
+    assert "without building a model" in out, out
     assert built(1, 4, 1, 1, 4, 3, True) == llama_count_solution(1, 4, 1, 1, 4, 3, True), "GPT works afterwards"
+
+
+def test_building_transformers_mistral_on_the_meta_device_is_refused(capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from transformers import MistralConfig, MistralForCausalLM
+
+    def mistral(n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, tied):
+        config = MistralConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_ff,
+                               num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                               num_key_value_heads=n_kv_heads, tie_word_embeddings=tied)
+        with torch.device("meta"):
+            return sum(p.numel() for p in MistralForCausalLM(config).parameters())
+
+    assert mistral(2, 8, 2, 1, 12, 10, False) == llama_count_solution(2, 8, 2, 1, 12, 10, False), "it would count"
+    ok, out = verdict(check_llama_parameter_count, mistral, capsys)
+    assert not ok and "calls torch.nn.Module.__init__ (it builds a model)" in out, out
+    assert "without building a model" in out, out
 
 
 def test_the_checkers_own_count_is_refused(capsys):
@@ -496,45 +560,198 @@ def test_the_checkers_own_count_is_refused(capsys):
     assert not ok and "calls groundup.exercises.ch12._gpt_count" in out, out
 
 
-# --- 12.7: GGUF names -----------------------------------------------------------------------------------------
+# --- 12.7: a one-tensor GGUF writer --------------------------------------------------------------------------
 
 
-def test_book_name_with_up_and_down_misnamed_is_told_the_books_names(capsys):
-    ok, out = verdict(check_book_name, lambda name: book_name_solution(
-        name, {**PARTS, "ffn_up": "ffn.W_up", "ffn_down": "ffn.W_down"}), capsys)
-    assert not ok and "my_book_name('blk.0.ffn_up.weight') = 'blocks.0.ffn.W_up.weight'" in out, out
-    assert "which the book's FeedForward calls ffn.W_in" in out
+def test_the_solutions_file_is_what_gguf_and_the_package_read(tmp_path):
+    from groundup.gguf import read_gguf
+
+    tensor = torch.randn(3, 5)
+    write_gguf_solution(tmp_path / "f.gguf", "größe.w", tensor)
+    reader = gguf.GGUFReader(tmp_path / "f.gguf")
+    assert reader.fields["general.architecture"].contents() == "llama"
+    assert [t.name for t in reader.tensors] == ["größe.w"] and reader.tensors[0].shape.tolist() == [5, 3]
+    assert torch.equal(torch.from_numpy(reader.tensors[0].data.copy()), tensor)
+    del reader
+    assert torch.equal(read_gguf(tmp_path / "f.gguf").tensor("größe.w"), tensor)
 
 
-def test_book_name_that_accepts_unknown_names_is_rejected(capsys):
-    def lenient(name):
-        if name in TOP:
-            return TOP[name]
-        pieces = name.split(".")
-        return f"blocks.{pieces[1]}.{PARTS.get(pieces[2], pieces[2])}.{pieces[-1]}"
-
-    ok, out = verdict(check_book_name, lenient, capsys)
-    assert not ok and "my_book_name('blk.x.attn_q.weight') returned 'blocks.x.attention.W_q.weight'" in out, out
-    assert "raise KeyError or ValueError" in out
-
-
-def test_book_name_raising_the_wrong_error_is_told_which_to_raise(capsys):
-    def index_error(name):
-        try:
-            return book_name_solution(name)
-        except KeyError:
-            raise IndexError(name) from None
-
-    ok, out = verdict(check_book_name, index_error, capsys)
-    assert not ok and "raised IndexError" in out and "raise KeyError or ValueError on purpose" in out, out
+@pytest.mark.parametrize("answer, message, hint", [
+    (lambda p, n, t: write_gguf_solution(p, n, t, sizes=lambda t: tuple(t.shape)), "the sizes",
+     "GGUF lists the sizes contiguous first"),
+    (lambda p, n, t: write_gguf_solution(p, n, t, align=1), "zero padding",
+     "The data section starts at the next multiple of 32"),
+    (lambda p, n, t: write_gguf_solution(p, n, t, offset="file"), "the tensor's offset",
+     "counts from the start of the data section, not from the start of the file"),
+    (lambda p, n, t: write_gguf_solution(p, n, t, length="none"), "the length of the key",
+     "A string is its length as a uint64"),
+    (lambda p, n, t: write_gguf_solution(p, n, t, length="characters"), "größe.gewicht",
+     "A string's length counts bytes, not characters"),
+    (lambda p, n, t: Path(p).write_bytes(b"GGUF"), "the file ends at byte 4", "the version 3"),
+])
+def test_gguf_writer_mistakes_are_named(answer, message, hint, capsys):
+    ok, out = verdict(check_write_gguf, answer, capsys)
+    assert not ok and message in out and hint in out, out
 
 
-def test_book_name_from_the_packages_table_is_refused(capsys):
-    from groundup.pretrained import gguf_tensor_names
+def test_a_transposed_tensor_written_in_memory_order_is_named(capsys):
+    def storage_order(path, name, tensor):
+        write_gguf_solution(path, name, tensor)
+        if not tensor.is_contiguous():
+            data = bytearray(Path(path).read_bytes())
+            memory = torch.as_strided(tensor, (tensor.numel(),), (1,)).numpy().tobytes()
+            data[-len(memory):] = memory
+            Path(path).write_bytes(data)
 
-    def table(name):
-        config = GPTConfig(n_layers=1000, tie_weights=False, positional="rope")
-        return {theirs: ours for ours, theirs in gguf_tensor_names(config).items()}[name]
+    ok, out = verdict(check_write_gguf, storage_order, capsys)
+    assert not ok and "not contiguous in memory" in out and "in the tensor's logical order" in out, out
 
-    ok, out = verdict(check_book_name, table, capsys)
-    assert not ok and "calls groundup.pretrained.gguf_tensor_names" in out and "the book's loader" in out, out
+
+def test_another_valid_file_is_accepted_and_an_extra_entry_is_not(capsys):
+    ok, out = verdict(check_write_gguf, lambda p, n, t: write_gguf_solution(p, n, t, extra=bytes(32)), capsys)
+    assert ok, out
+
+    def two_entries(path, name, tensor):
+        write_gguf_solution(path, name, tensor, entries=(("general.architecture", "llama"), ("general.name", "x")))
+
+    ok, out = verdict(check_write_gguf, two_entries, capsys)
+    assert not ok and "the file's metadata is" in out and "Write exactly one metadata entry" in out, out
+
+
+def test_a_function_that_writes_no_file_is_told_so(capsys):
+    ok, out = verdict(check_write_gguf, lambda path, name, tensor: None, capsys)
+    assert not ok and "wrote no file at path" in out and "open(path, 'wb')" in out, out
+
+
+def test_ggufs_writer_is_refused(capsys):
+    def with_gguf(path, name, tensor):
+        writer = gguf.GGUFWriter(path, "llama")
+        writer.add_tensor(name, tensor.contiguous().numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    ok, out = verdict(check_write_gguf, with_gguf, capsys)
+    assert not ok and "calls gguf.GGUFWriter" in out and "write the bytes yourself" in out, out
+
+
+# --- threads, processes and copies of the package's code --------------------------------------------------------
+
+
+def in_a_thread(x):
+    out = []
+    worker = threading.Thread(target=lambda: out.append(gguf_quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0)))
+    worker.start()
+    worker.join()
+    return torch.from_numpy(out[0].reshape(-1).copy())
+
+
+def in_an_executor(x):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return torch.from_numpy(pool.submit(gguf_quants.quantize, x.numpy(), GGMLQuantizationType.Q8_0).result()
+                                .reshape(-1).copy())
+
+
+def thread_caught(x):
+    try:
+        threading.Thread(target=print).start()
+    except BaseException:  # noqa: BLE001 -- the answer tries to carry on
+        pass
+    return quantize_q8_0_solution(x)
+
+
+def profile_off(x):
+    sys.setprofile(None)
+    return torch.from_numpy(gguf_quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0).reshape(-1).copy())
+
+
+roundf_elsewhere = types.FunctionType(gguf_quants.np_roundf.__code__.replace(co_filename="mine.py", co_name="mine"),
+                                      gguf_quants.np_roundf.__globals__)
+
+
+def with_gguf_roundf(x):
+    """Q8_0 with gguf's roundf under another file and name (a copy of its code object)."""
+    blocks = x.reshape(-1, 32).numpy()
+    d = abs(blocks).max(axis=1, keepdims=True) / 127
+    inverse = torch.where(torch.from_numpy(d) == 0, 0.0, 1 / torch.from_numpy(d)).numpy()
+    q = roundf_elsewhere(blocks * inverse)
+    return torch.cat([torch.from_numpy(d).half().view(torch.uint8),
+                      torch.from_numpy(q).to(torch.int8).view(torch.uint8)], dim=1).reshape(-1)
+
+
+def reads_gguf_source(x):
+    inspect.getsource(gguf_quants)
+    return quantize_q8_0_solution(x)
+
+
+def test_with_gguf_roundf_would_be_right():
+    x = _q8_0_cases()[1][1]
+    assert torch.equal(with_gguf_roundf(x), quantize_q8_0_solution(x)), "so the refusal, not a wrong byte, stops it"
+
+
+@pytest.mark.parametrize("answer, refused", [
+    (in_a_thread, "starts a thread (threading.Thread.start)"),
+    (in_an_executor, "starts a thread (concurrent.futures.ThreadPoolExecutor)"),
+    (thread_caught, "starts a thread (threading.Thread.start)"),
+    (profile_off, "switches off the checker's record of calls (sys.setprofile)"),
+    (with_gguf_roundf, "calls gguf.quants.np_roundf"),
+    (reads_gguf_source, "reads the source of gguf.quants"),
+])
+def test_q8_0_through_threads_copies_and_sources_is_refused(answer, refused, capsys):
+    ok, out = verdict(check_quantize_q8_0, answer, capsys)
+    assert not ok and refused in out, out
+
+
+def test_a_thread_started_before_the_check_is_caught_by_the_tripwires(capsys):
+    requests, answers = queue.Queue(), queue.Queue()
+
+    def serve():
+        while (x := requests.get()) is not None:
+            try:
+                answers.put(gguf_quants.quantize(x, GGMLQuantizationType.Q8_0))
+            except BaseException as err:  # noqa: BLE001 -- the tripwire: handed back
+                answers.put(err)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+
+    def ask(x):
+        requests.put(x.numpy())
+        got = answers.get(timeout=5)
+        if isinstance(got, BaseException):
+            raise RuntimeError("refused")
+        return torch.from_numpy(got.reshape(-1).copy())
+
+    try:
+        ok, out = verdict(check_quantize_q8_0, ask, capsys)
+    finally:
+        requests.put(None)
+    assert not ok and "calls gguf.quants.quantize" in out, out
+
+
+def in_a_subprocess(raw):
+    script = ("import sys, numpy as np, gguf\n"
+              "raw = np.frombuffer(sys.stdin.buffer.read(), np.uint8)\n"
+              "out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K)\n"
+              "sys.stdout.buffer.write(out.astype(np.float32).tobytes())")
+    out = subprocess.run([sys.executable, "-c", script], input=raw.numpy().tobytes(), capture_output=True,
+                         check=True).stdout
+    return torch.frombuffer(bytearray(out), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("answer, refused", [
+    (in_a_subprocess, "starts a process (subprocess.Popen)"),
+    (lambda raw: os.system("true") and None or dequantize_q6_k_solution(raw), "starts a process (os.system)"),
+    (lambda raw: os.kill(os.getpid(), 0) or dequantize_q6_k_solution(raw), "sends a signal (os.kill)"),
+])
+def test_q6_k_in_another_process_is_refused(answer, refused, capsys):
+    ok, out = verdict(check_dequantize_q6_k, answer, capsys)
+    assert not ok and refused in out and "refuses new threads and processes" in out, out
+    assert torch.equal(dequantize_q6_k_solution(torch.zeros(210, dtype=torch.uint8)), torch.zeros(256)), "no harm"
+
+
+def test_the_subprocess_answer_would_be_right():
+    raw = torch.randint(0, 256, (210,), dtype=torch.uint8)
+    raw[208:] = torch.tensor([0.5], dtype=torch.float16).view(torch.uint8)
+    assert torch.equal(in_a_subprocess(raw), dequantize_q6_k_solution(raw))

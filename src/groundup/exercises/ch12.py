@@ -1,14 +1,18 @@
 """Checkers for chapter 12 (pretrained models: GPT-2, LLaMA and SmolLM2 in our GPT): a Q8_0 quantizer and a Q6_K
 decoder, bit for bit against the ``gguf`` package; the permutation between the two pairings of rotary embeddings;
 undoing llama.cpp's reordering of the rows of W_Q and W_K; a GGUF metadata array read from raw bytes; LLaMA's
-parameter count; and the book's parameter name of a GGUF tensor.
+parameter count; and a GGUF file of one tensor written by hand.
 
 Every checker computes the expected values before it calls the reader's function, from a reference that does not
 share the reader's task where there is one (the ``gguf`` package's quantizer, decoder, writer and reader; the
-package's GPT built on the meta device; the package's own table of GGUF names), hands the function copies of its
-inputs (and says so if the function changed them in place), checks the type of what comes back, and refuses
+package's GPT built on the meta device; the ``gguf`` package's reader and the package's), hands the function copies
+of its inputs (and says so if the function changed them in place), checks the type of what comes back, and refuses
 answers that call the package's own solution (``groundup.quantization``, ``groundup.kquants``, ``groundup.gguf``,
-``groundup.pretrained``, the package's GPT) or the ``gguf`` package's.
+``groundup.pretrained``, ``groundup.positional``, a torch.nn.Module) or the ``gguf`` package's (its quantizer,
+decoder, reader or writer). A record of the calls the reader's function makes (:class:`_Watch`) finds those calls
+however they are reached, and a copy of one of their functions under another file or name too; the record sees the
+reader's thread only, so starting a thread or a process is refused, and tripwires on the main entry points catch a
+thread started before the check.
 """
 
 from __future__ import annotations
@@ -16,13 +20,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
+import importlib.util
 import numbers
+import os
 import random
+import signal
 import struct
 import sys
 import tempfile
 import textwrap
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from groundup.exercises import sandbox
 from groundup.exercises.checking import (
     MESSAGE_WIDTH,
     Forbidden,
@@ -41,60 +51,257 @@ from groundup.exercises.checking import (
     expect_integer,
     run_checks,
 )
-from groundup.layers import TransformerBlock
 from groundup.models import GPT, GPTConfig
 from groundup.positional import RotaryEmbedding
 
 __all__ = ["check_quantize_q8_0", "check_dequantize_q6_k", "check_rotary_permutation", "check_unpermute_rows",
-           "check_read_array", "check_llama_parameter_count", "check_book_name"]
+           "check_read_array", "check_llama_parameter_count", "check_write_gguf"]
 
 
-# ---- shared: refusing the package's solutions ------------------------------------------------------------------
+# ---- shared: refusing the package's solutions, threads and processes --------------------------------------------
+
+_SPAWN_HINT = ("Compute the answer in your function itself: the checker watches the thread your function runs in, "
+               "so it refuses new threads and processes (threading, concurrent.futures, multiprocessing, "
+               "subprocess, os.system) and signals, in which a call of the book's or gguf's solution would go "
+               "unseen.")
+_PROFILE_HINT = "Leave sys.setprofile alone: the checker records the calls your function makes with it."
 
 
-@contextlib.contextmanager
-def _calls_into(files: tuple[str, ...]):
-    """Record (in the yielded list) every Python function of ``files`` that another thread (the reader's worker)
-    calls while the body runs: a checker uses it to tell the reader's own code from a call of the package's
-    solution or of the ``gguf`` package, however it is reached (a function, a method, a class). Importing one of
-    the modules is not a call."""
-    seen: list[str] = []
-    judge = threading.get_ident()
-    previous = sys.getprofile()
+def _code_objects(code: types.CodeType):
+    """``code`` and every code object defined inside it (functions, methods, classes), recursively."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
 
-    def importing(frame) -> bool:  # the module's own code runs as it is imported: not a call of the solution
+
+def _code_key(code: types.CodeType) -> tuple:
+    """What a function's code is, whatever its file, name or line: its bytecode, constants, global and attribute
+    names and local names (a copy with another ``co_filename`` or ``co_name`` has the same key)."""
+    return code.co_code, code.co_consts, code.co_names, code.co_varnames
+
+
+@functools.cache
+def _module_code(module: str) -> tuple[str, dict[tuple, str]]:
+    """The real path of ``module``'s file (found, not imported) and the keys of the functions it defines (compiled
+    afresh from its source) -> their names; comprehensions and lambdas are left out (generic: other files have
+    the same ones)."""
+    spec = importlib.util.find_spec(module)
+    origin = spec.origin if spec is not None and spec.origin else ""
+    keys: dict[tuple, str] = {}
+    if origin.endswith(".py"):
+        source = Path(origin).read_text(encoding="utf-8")
+        for code in _code_objects(compile(source, origin, "exec")):
+            if not code.co_name.startswith("<"):
+                keys.setdefault(_code_key(code), f"{module}.{code.co_qualname}")
+    return os.path.realpath(origin) if origin else "", keys
+
+
+@functools.cache
+def _watched_code(modules: tuple[str, ...]) -> tuple[dict[str, str], dict[tuple, str]]:
+    """The real paths of ``modules``' files -> their names, and their functions' keys -> their names."""
+    files: dict[str, str] = {}
+    keys: dict[tuple, str] = {}
+    for module in modules:
+        origin, module_keys = _module_code(module)
+        if origin:
+            files[origin] = module
+        keys.update(module_keys)
+    return files, keys
+
+
+@functools.cache
+def _package_folder(package: str) -> str:
+    """The real path of ``package``'s folder, ending with a separator ("" if it is not installed)."""
+    spec = importlib.util.find_spec(package)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    return os.path.join(os.path.realpath(folders[0]), "") if folders else ""
+
+
+@functools.cache
+def _spawners() -> tuple[dict[types.CodeType, str], dict[int, tuple[object, str]]]:
+    """What starts a thread, a process or an interpreter, or sends a signal (whose handler runs in the main thread):
+    Python functions (by code object) and built-in functions (by id, kept alive in the value) -> how the verdict
+    names them; sys.setprofile (the recorder's off switch) is among the built-ins."""
+    import _posixsubprocess
+    import _thread
+    import concurrent.futures
+    import multiprocessing.process
+    import subprocess
+
+    python = {threading.Thread.start: "starts a thread (threading.Thread.start)",
+              concurrent.futures.ThreadPoolExecutor.submit: "starts a thread (concurrent.futures.ThreadPoolExecutor)",
+              concurrent.futures.ProcessPoolExecutor.submit:
+              "starts a process (concurrent.futures.ProcessPoolExecutor)",
+              multiprocessing.process.BaseProcess.start: "starts a process (multiprocessing.Process.start)",
+              subprocess.Popen.__init__: "starts a process (subprocess.Popen)"}
+    builtin = {_thread.start_new_thread: "starts a thread (_thread.start_new_thread)",
+               sys.setprofile: "switches off the checker's record of calls (sys.setprofile)"}
+    for name in ("system", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv", "execve"):
+        if hasattr(os, name):
+            builtin[getattr(os, name)] = f"starts a process (os.{name})"
+    builtin[_posixsubprocess.fork_exec] = "starts a process (_posixsubprocess.fork_exec)"
+    for module in ("_xxsubinterpreters", "_interpreters"):  # an interpreter of its own runs unwatched in this thread
+        with contextlib.suppress(ImportError):
+            builtin[importlib.import_module(module).create] = f"starts an interpreter ({module}.create)"
+    if hasattr(_thread, "start_joinable_thread"):  # Python 3.13
+        builtin[_thread.start_joinable_thread] = "starts a thread (_thread.start_joinable_thread)"
+    # a signal's handler runs in the main thread, which may be the judge's: unwatched too
+    for owner, name in ((os, "kill"), (os, "killpg"), (signal, "raise_signal"), (signal, "pthread_kill"),
+                        (signal, "setitimer"), (signal, "alarm")):
+        if hasattr(owner, name):
+            builtin[getattr(owner, name)] = f"sends a signal ({owner.__name__}.{name})"
+    return ({f.__code__: label for f, label in python.items()},
+            {id(f): (f, label) for f, label in builtin.items()})
+
+
+@functools.cache
+def _source_readers() -> dict[types.CodeType, str]:
+    """Functions that read a file's text (``inspect.getsource`` goes through linecache) -> "argument naming the
+    file:the function's name"."""
+    import linecache
+    import tokenize
+
+    readers = {linecache.getlines: "filename", linecache.updatecache: "filename", tokenize.open: "filename",
+               Path.read_text: "self", Path.read_bytes: "self"}
+    return {f.__code__: f"{argument}:{f.__module__}.{f.__qualname__}" for f, argument in readers.items()}
+
+
+_real_path = functools.lru_cache(maxsize=4096)(os.path.realpath)
+
+
+class _Watch:
+    """While it is active, a profile function (``sys.setprofile``; the sandbox runs the reader's function with the
+    judge's) records in ``seen``, as (what, hint), what the reader's function does that the checker refuses:
+
+    - a call of a Python function of ``modules`` or of ``packages`` (importing one of them is not a call), or of a
+      function whose code is one of theirs under another file or name (its key, :func:`_code_key`);
+    - reading the source of one of their files (through linecache, as ``inspect.getsource`` does, tokenize or
+      pathlib);
+    - starting a thread, a process or an interpreter, or sending a signal (the recorder sees the reader's thread
+      only: other threads, processes and the main thread's signal handlers would be out of its sight), or switching
+      the recorder off: these are stopped on the spot, with an exception.
+
+    The judge's own thread is not watched."""
+
+    def __init__(self, modules: tuple[str, ...], packages: tuple[str, ...], hint: str):
+        self.hint, self.seen = hint, []
+        self.files, self.keys = _watched_code(modules)
+        self.folders = {folder: package for package in packages if (folder := _package_folder(package))}
+        self.spawn_code, self.spawn_builtins = _spawners()
+        self.readers = _source_readers()
+        self.verdicts: dict[int, tuple[types.CodeType, str, str]] = {}  # id(code) -> (code, kind, label)
+        self.judge = threading.get_ident()
+        self.run_code = sandbox._run.__code__  # the worker's frame that sets and unsets the profile
+
+    def module_of(self, filename) -> str:
+        """The watched module ``filename`` is the file of ("" if none)."""
+        if not isinstance(filename, str) or not filename or filename.startswith("<"):
+            return ""
+        path = _real_path(filename)
+        if path in self.files:
+            return self.files[path]
+        for folder, package in self.folders.items():
+            if path.startswith(folder):
+                return f"{package}.{Path(path[len(folder):]).with_suffix('').as_posix().replace('/', '.')}"
+        return ""
+
+    def judge_code(self, code: types.CodeType) -> tuple[str, str]:
+        """(kind, label) of ``code``: "file" (a function of a watched module), "copy" (one's code elsewhere),
+        "spawn", "reader" or "" (none of these)."""
+        if code in self.spawn_code:
+            return "spawn", self.spawn_code[code]
+        if code in self.readers:
+            return "reader", self.readers[code]
+        module = self.module_of(code.co_filename)
+        if module:
+            return "file", f"{module}.{code.co_qualname}"
+        label = self.keys.get(_code_key(code)) if not code.co_name.startswith("<") else None
+        return ("copy", label) if label else ("", "")
+
+    def importing(self, frame) -> bool:
+        """Whether a watched module's own code runs as it is imported: not a call of the solution."""
         while frame is not None:
-            if frame.f_code.co_name == "<module>" and frame.f_code.co_filename.replace("\\", "/").endswith(files):
+            if frame.f_code.co_name == "<module>" and self.module_of(frame.f_code.co_filename):
                 return True
             frame = frame.f_back
         return False
 
-    def profile(frame, event, arg):
-        if event == "call" and threading.get_ident() != judge:
-            filename = frame.f_code.co_filename.replace("\\", "/")
-            if filename.endswith(files) and not importing(frame):
-                seen.append(f"{Path(filename).parent.name}.{Path(filename).stem}.{frame.f_code.co_qualname}")
+    def stop(self, what: str, hint: str):
+        self.seen.append((what, hint))
+        raise sandbox.PackageCall(what)
 
-    sys.setprofile(profile)
+    def profile(self, frame, event, arg):
+        if event == "c_call":
+            entry = self.spawn_builtins.get(id(arg))
+            if entry is not None and entry[0] is arg and frame.f_code is not self.run_code and \
+                    threading.get_ident() != self.judge:
+                self.stop(entry[1], _PROFILE_HINT if arg is sys.setprofile else _SPAWN_HINT)
+            return
+        if event != "call" or threading.get_ident() == self.judge:
+            return
+        code = frame.f_code
+        verdict = self.verdicts.get(id(code))
+        if verdict is None:
+            try:
+                kind_and_label = self.judge_code(code)
+            except Exception:  # noqa: BLE001 -- an odd file name, say: never the reader's error
+                kind_and_label = ("", "")
+            verdict = self.verdicts[id(code)] = (code, *kind_and_label)
+        _, kind, label = verdict
+        if not kind:
+            return
+        if kind == "spawn":
+            self.stop(label, _SPAWN_HINT)
+        elif kind == "reader":
+            argument, reader = label.split(":")
+            target = frame.f_locals.get(argument)
+            module = self.module_of(os.fspath(target)) if isinstance(target, (str, os.PathLike)) else ""
+            if module:
+                self.seen.append((f"reads the source of {module} ({reader})", self.hint))
+        elif kind == "copy" or not self.importing(frame):
+            self.seen.append((f"calls {label}", self.hint))
+
+
+@contextlib.contextmanager
+def _watching(modules: tuple[str, ...], packages: tuple[str, ...], hint: str):
+    """A :class:`_Watch` active while the body runs (the reader's function picks up the judge's profile)."""
+    watch = _Watch(modules, packages, hint)
+    previous = sys.getprofile()
+    sys.setprofile(watch.profile)
     try:
-        yield seen
+        yield watch
     finally:
         sys.setprofile(previous)
 
 
-def _call(fn: Callable, *args, call: str, names: tuple[str, ...], files: tuple[str, ...], hint: str,
-          forbid: tuple = ()):
-    """``call_reader(fn, *args)``, refusing (with ``hint``) an answer that called into ``files`` or ``forbid``, even
-    one that then raised or caught the error."""
-    with _calls_into(files) as seen:
+def _call(fn: Callable, *args, call: str, names: tuple[str, ...], hint: str, modules: tuple[str, ...] = (),
+          packages: tuple[str, ...] = (), forbid: tuple = ()):
+    """``call_reader(fn, *args)``, refusing (with ``hint``) an answer that called into ``modules`` or ``packages``
+    or ``forbid``, even one that then raised or caught the error, and one that started a thread or a process."""
+    with _watching(modules, packages, hint) as watch:
         try:
             out = call_reader(fn, *args, call=call, names=names, forbid=forbid)
         except ReaderError:
-            if not seen:
+            if not watch.seen:
                 raise
             out = None
-    expect(not seen, f"{call} calls {seen[0] if seen else ''}", hint)
+        except Mismatch as refused:  # a tripwire of ``forbid`` (or an input changed in place)
+            if watch.seen:  # what the record saw came first (a tripwire inside gguf's quantize_blocks, say)
+                out = None
+            elif not refused.what.startswith(f"{call} calls ") or _own_hint(refused.what, forbid):
+                raise
+            else:  # the exercise's hint unless the item has its own
+                raise Mismatch(refused.what, hint) from None
+    if watch.seen:
+        what, why = watch.seen[0]
+        raise Mismatch(f"{call} {what}", why)
     return out
+
+
+def _own_hint(what: str, forbid: tuple) -> bool:
+    """Whether the tripwire named at the end of ``what`` is a :class:`Forbidden` with a hint of its own."""
+    return any(isinstance(item, Forbidden) and item.hint and what.endswith(f" calls {item.label}") for item in forbid)
 
 
 def _gguf_missing(title: str) -> Verdict | None:
@@ -111,8 +318,20 @@ def _gguf_missing(title: str) -> Verdict | None:
     return None
 
 
-_QUANT_FILES = ("groundup/quantization.py", "groundup/kquants.py", "groundup/quantized_linear.py",
-                "groundup/gguf.py", "gguf/quants.py", "gguf/gguf_reader.py", "gguf/lazy.py")
+_QUANT_MODULES = ("groundup.quantization", "groundup.kquants", "groundup.quantized_linear", "groundup.gguf",
+                  "gguf.quants", "gguf.gguf_reader", "gguf.lazy")
+
+
+def _entry_points(*names: str) -> tuple:
+    """The plain functions ``module.attribute`` among ``names``, for tripwires (which also catch a call from a thread
+    that was already running: the record of calls sees the reader's own thread only)."""
+    found = []
+    for name in names:
+        module, _, attribute = name.rpartition(".")
+        fn = getattr(sys.modules.get(module) or importlib.import_module(module), attribute, None)
+        if isinstance(fn, types.FunctionType) and not fn.__code__.co_freevars:
+            found.append(fn)
+    return tuple(found)
 
 
 def _expect_bytes_tensor(value, call: str, n: int, what: str) -> torch.Tensor:
@@ -270,14 +489,18 @@ def check_quantize_q8_0(fn: Callable) -> Verdict:
     hint = ("This exercise asks for the quantizer itself: groundup.quantization and the gguf package are the "
             "book's and llama.cpp's solutions. Use torch operations on the block (abs, amax, floor, ...).")
 
+    entry_points = _entry_points("gguf.quants.quantize", "gguf.quants.np_roundf", "groundup.quantization.quantize",
+                                 "groundup.quantization.quantize_q8_0", "groundup.quantization.round_half_away",
+                                 "groundup.quantization.q8_0_encode_blocks")
+
     def checks():
         cases = _q8_0_cases()
         expected = [torch.from_numpy(gguf_quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0).reshape(-1).copy())
                     for _, x in cases]
         for (what, x), want in zip(cases, expected):
             call = f"my_quantize_q8_0(x) for {what}, x of shape {tuple(x.shape)}"
-            out = _call(fn, x, call=call, names=("x",), files=_QUANT_FILES, hint=hint,
-                        forbid=(_q8_0_variant, _round_half_away, _q8_0_cases))
+            out = _call(fn, x, call=call, names=("x",), modules=_QUANT_MODULES, hint=hint,
+                        forbid=(_q8_0_variant, _round_half_away, _q8_0_cases, *entry_points))
             got = _expect_bytes_tensor(out, call, want.numel(), f"{x.numel() // 32} blocks of 34 bytes")
             if torch.equal(got, want):
                 continue
@@ -347,10 +570,11 @@ _Q6_K_MISTAKES = (
 )
 
 
-_Q6_K_LAYOUT = ("Weight i of a super-block: its half h = i // 128 and p = i % 128; the low four bits are in ql "
-                "byte 64 h + p % 64 (low nibble if p < 64, else high), the top two bits are bits 2 (p // 32) and "
-                "2 (p // 32) + 1 of qh byte 32 h + p % 32; x_i = d * scale[i // 16] * (q - 32), with the scales as "
-                "int8 and d the float16 in the last two bytes.")
+_Q6_K_LAYOUT = ("A super-block is two halves of 128 weights, each with 64 ql bytes and 32 qh bytes of its own. In a "
+                "half, the low nibble of ql byte l gives the low four bits of weight l and its high nibble those of "
+                "weight 64 + l; the bit pairs of qh byte l, from the lowest, give the top two bits of weights l, "
+                "32 + l, 64 + l and 96 + l. Then x = d * s * (q - 32), with the scale s of the weight's sub-block "
+                "of 16 read as int8 and d the float16 in the last two bytes.")
 
 
 def _q6_k_cases() -> list[tuple[str, torch.Tensor]]:
@@ -371,8 +595,8 @@ def _q6_k_cases() -> list[tuple[str, torch.Tensor]]:
     all_zero_q = super_blocks([0.75], fill=0)  # every q = 0 - 32 = -32
     return [("one super-block of random bytes with d = 1", super_blocks([1.0]).reshape(-1)),
             ("four random super-blocks with d of size about 0.001", super_blocks(rand_d).reshape(-1)),
-            ("super-blocks with d = 65504, -2^-24 (the smallest float16), 0 and -1.5, scales -128 and 127, all "
-             "q = 63 and all q = 0", torch.cat([extremes, all_zero_q]).reshape(-1))]
+            ("super-blocks with d = 65504, -2^-24 (the negative float16 of smallest magnitude), 0 and -1.5, scales "
+             "-128 and 127, all q = 63 and all q = 0", torch.cat([extremes, all_zero_q]).reshape(-1))]
 
 
 def check_dequantize_q6_k(fn: Callable) -> Verdict:
@@ -389,6 +613,9 @@ def check_dequantize_q6_k(fn: Callable) -> Verdict:
     hint = ("This exercise asks you to take the bytes apart yourself: groundup.quantization, groundup.kquants and "
             "the gguf package are the book's and llama.cpp's decoders. Use slicing, view, & and >>.")
 
+    entry_points = _entry_points("gguf.quants.dequantize", "groundup.quantization.dequantize",
+                                 "groundup.quantization.dequantize_parts", "groundup.quantization.block_parts")
+
     def checks():
         cases = _q6_k_cases()
         expected = [torch.from_numpy(gguf_quants.dequantize(raw.numpy(), GGMLQuantizationType.Q6_K).copy())
@@ -398,8 +625,8 @@ def check_dequantize_q6_k(fn: Callable) -> Verdict:
                 raise RuntimeError(f"the checker's case {what!r} decodes to non-finite numbers")
             n = raw.numel() // _Q6_K_BYTES
             call = f"my_dequantize_q6_k(raw) for {what} ({raw.numel()} bytes)"
-            got = _call(fn, raw, call=call, names=("raw",), files=_QUANT_FILES, hint=hint,
-                        forbid=(_q6_k_variant, _q6_k_cases))
+            got = _call(fn, raw, call=call, names=("raw",), modules=_QUANT_MODULES, hint=hint,
+                        forbid=(_q6_k_variant, _q6_k_cases, *entry_points))
             expect(type(got) is torch.Tensor, f"{call} returned {type(got).__name__}, expected a float32 tensor",
                    "Did you forget the `return` statement?" if got is None else "Return a 1-D torch.float32 tensor.")
             expect(got.dtype == torch.float32, f"{call} returned a tensor of dtype {got.dtype}, expected "
@@ -416,7 +643,7 @@ def check_dequantize_q6_k(fn: Callable) -> Verdict:
                            f"{want[i].item():.6g}", mistake)
 
     return run_checks(title, checks, "Your numbers are gguf.quants.dequantize's, bit for bit: random super-blocks, "
-                      "the largest and the smallest d, the extreme scales and q.")
+                      "extreme d (65504, -2^-24, 0), the extreme scales and q.")
 
 
 # ---- Exercise 12.3 -----------------------------------------------------------------------------------------
@@ -462,14 +689,21 @@ def _expect_index_list(perm, d: int, call: str) -> list[int]:
 
 def check_rotary_permutation(fn: Callable) -> Verdict:
     """Exercise 12.3: ``fn(d_head) -> perm`` (a list of d_head ints) with
-    ``rope_interleaved(x[perm], t) == rope_half(x, t)[perm]`` for every vector x and position t."""
+    ``rope_interleaved(x[perm], t) == rope_half(x, t)[perm]`` for every vector x and position t. Calls into the
+    package's rotary embedding and loader (groundup.positional, groundup.pretrained) and into transformers, with
+    which a permutation could be searched for rather than found, are refused."""
+    hint = ("This exercise asks you to find the permutation by pairing the dimensions yourself: groundup.positional, "
+            "groundup.pretrained and transformers are the book's and Hugging Face's rotary code. Build the list "
+            "from the two pairings: which dimensions does each rotate together at frequency i?")
 
     def checks():
         g = torch.Generator().manual_seed(3)
         for d in (2, 4, 8, 16):
             expected = [j for i in range(d // 2) for j in (i, i + d // 2)]
             call = f"my_rotary_permutation({d})"
-            perm = _expect_index_list(call_reader(fn, d, call=call), d, call)
+            perm = _expect_index_list(_call(fn, d, call=call, names=("d_head",), hint=hint,
+                                            modules=("groundup.positional", "groundup.pretrained"),
+                                            packages=("transformers",), forbid=(_rope, _rotary_hint)), d, call)
             expect(sorted(perm) == list(range(d)), f"{call} = {list(perm)} is not a permutation of 0..{d - 1}",
                    "Every index must appear exactly once.")
             x = torch.randn(d, generator=g, dtype=torch.float64)
@@ -546,7 +780,7 @@ def check_unpermute_rows(fn: Callable) -> Verdict:
             "with Exercise 12.3's perm (groundup.pretrained is the book's loader).")
 
     def judge(call: str, weight: torch.Tensor, n_heads: int, want: torch.Tensor) -> torch.Tensor:
-        out = _call(fn, weight, n_heads, call=call, names=("weight", "n_heads"), files=("groundup/pretrained.py",),
+        out = _call(fn, weight, n_heads, call=call, names=("weight", "n_heads"), modules=("groundup.pretrained",),
                     hint=hint, forbid=(_unpermute, _llama_cpp_permute, _half_model_logits, _tiny_gguf_model))
         expect(type(out) is torch.Tensor, f"{call} returned {type(out).__name__}, expected a tensor",
                "Did you forget the `return` statement?" if out is None else "Return a torch.Tensor.")
@@ -748,14 +982,14 @@ def check_read_array(fn: Callable) -> Verdict:
             "gguf.GGUFReader are the book's and llama.cpp's readers.")
     forbid = (Forbidden(gguf.GGUFReader, "__init__", label="gguf.GGUFReader", hint=hint), _gguf_file_with_arrays,
               _array_cases, _fields)
-    files = ("groundup/gguf.py", "gguf/gguf_reader.py")
+    modules = ("groundup.gguf", "gguf.gguf_reader")
 
     def checks():
         data, arrays = _gguf_file_with_arrays()
         for key, element_type, want, start, end in arrays:
             name = _GGUF_ELEMENT_TYPES[element_type][0]
             call = f"my_read_array(data, {start}) for {key} ({len(want)} {name} values)"
-            out = _call(fn, data, start, call=call, names=("data", "offset"), files=files, hint=hint, forbid=forbid)
+            out = _call(fn, data, start, call=call, names=("data", "offset"), modules=modules, hint=hint, forbid=forbid)
             kind = f"{len(out)} items" if isinstance(out, (tuple, list)) else type(out).__name__
             expect(isinstance(out, (tuple, list)) and len(out) == 2, f"{call} returned {kind}, expected a pair "
                    "(values, next_offset)", "Return two things: the list of values and the offset just past the "
@@ -781,7 +1015,7 @@ def check_read_array(fn: Callable) -> Verdict:
             key = next(a for a in arrays if a[3] <= cut < a[4])
             call = f"my_read_array(data[:{cut}], {key[3]}), the file cut {where}"
             try:
-                out = _call(fn, data[:cut], key[3], call=call, names=("data", "offset"), files=files, hint=hint,
+                out = _call(fn, data[:cut], key[3], call=call, names=("data", "offset"), modules=modules, hint=hint,
                             forbid=forbid)
             except ReaderError:
                 continue  # any exception is a right answer to data that ends too soon
@@ -802,28 +1036,8 @@ def _negative(value) -> bool:
 
 # ---- Exercise 12.6: LLaMA's parameter count ------------------------------------------------------------------
 
-_COUNT_HINT = ("The exercise is to count with a formula, without building a model: add up W_E, the n_layers "
-               "blocks, the final norm and, if untied, U.")
-
-
-@functools.cache
-def _count_builders() -> tuple:
-    """What a count must not call: the package's GPT and its blocks and, where transformers is installed, its LLaMA
-    model and decoder layer (imported here, not when the reader's function runs, so that a function importing
-    transformers itself is caught too)."""
-    forbid = [Forbidden(GPT, "__init__", label="groundup.models.GPT", hint=_COUNT_HINT),
-              Forbidden(TransformerBlock, "__init__", label="groundup.layers.TransformerBlock", hint=_COUNT_HINT)]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from transformers.models.llama import modeling_llama
-        forbid += [Forbidden(modeling_llama.LlamaModel, "__init__", label="transformers.LlamaModel",
-                             hint=_COUNT_HINT),
-                   Forbidden(modeling_llama.LlamaDecoderLayer, "__init__", label="transformers.LlamaDecoderLayer",
-                             hint=_COUNT_HINT)]
-    except Exception:  # noqa: BLE001 -- without a working transformers there is nothing of it to call
-        pass
-    return tuple(forbid)
+_COUNT_HINT = ("The exercise is to count with a formula, without building a model (any torch.nn.Module, on any "
+               "device): add up W_E, the n_layers blocks, the final norm and, if untied, U.")
 
 
 @functools.cache
@@ -877,16 +1091,20 @@ def _count_hints(case: tuple, expected: int) -> dict[int, str]:
 def check_llama_parameter_count(fn: Callable) -> Verdict:
     """Exercise 12.6: ``fn(n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, tied) -> int``, the parameters
     of a LLaMA-style model (RMSNorm with gamma only, SwiGLU, no biases, grouped-query attention, U counted unless
-    tied), compared with the package's GPT of that shape built on the meta device; building a model (the package's
-    GPT, transformers' LLaMA) is refused."""
-    forbid = (*_count_builders(), _gpt_count.__wrapped__, _count_cases, _count_hints,
+    tied), compared with the package's GPT of that shape built on the meta device; building a model (any
+    torch.nn.Module: the package's GPT, transformers' LLaMA or Mistral) is refused."""
+    forbid = (Forbidden(torch.nn.Module, "__init__", label="torch.nn.Module.__init__ (it builds a model)",
+                        hint=_COUNT_HINT), _gpt_count.__wrapped__, _count_cases, _count_hints,
               Forbidden(sys.modules[__name__], "_gpt_count", label="groundup.exercises.ch12._gpt_count"))
+
+    _gpt_count(1, 4, 1, 1, 4, 3, True)  # the first model on the meta device imports torch._dynamo, which patches
+    # torch.manual_seed: before the checks, whose end would take the patch for the reader's
 
     def checks():
         for case in _count_cases():
             expected = _gpt_count(*case)
             call = f"my_llama_parameter_count{case}"
-            got = expect_integer(call_reader(fn, *case, call=call, forbid=forbid), call,
+            got = expect_integer(_call(fn, *case, call=call, names=(), hint=_COUNT_HINT, forbid=forbid), call,
                                  "Return the number of parameters as an int.")
             n_layers, d, n_heads, n_kv, d_ff, vocab, tied = case
             expect(got == expected, f"{call} = {got:,}, expected {expected:,}", _count_hints(case, expected).get(
@@ -899,77 +1117,228 @@ def check_llama_parameter_count(fn: Callable) -> Verdict:
                       "(134,515,008) and four tiny shapes, two of them new on every run.")
 
 
-# ---- Exercise 12.7: the book's name of a GGUF tensor ---------------------------------------------------------
+# ---- Exercise 12.7: a one-tensor GGUF writer ------------------------------------------------------------------
 
-_PART_HINTS = {"attn_norm": "attn_norm is the RMSNorm before attention: the block's norm_1.",
-               "ffn_norm": "ffn_norm is the RMSNorm before the FFN: the block's norm_2.",
-               "attn_q": "attn_q is W_Q: attention.W_q.", "attn_k": "attn_k is W_K: attention.W_k.",
-               "attn_v": "attn_v is W_V: attention.W_v.", "attn_output": "attn_output is W_O: attention.W_o.",
-               "ffn_gate": "ffn_gate is SwiGLU's gate: ffn.W_gate.",
-               "ffn_up": "ffn_up is SwiGLU's up projection, which the book's FeedForward calls ffn.W_in.",
-               "ffn_down": "ffn_down is SwiGLU's down projection, which the book's FeedForward calls ffn.W_out.",
-               "token_embd": "token_embd is W_E: the GPT's token_embedding.",
-               "output_norm": "output_norm is the final RMSNorm: final_norm.",
-               "output": "output is the unembedding U: unembedding."}
-
-_UNKNOWN_NAMES = ("blk.x.attn_q.weight", "blk.3.attn_q.bias", "token_embd", "blk.3.attn_q",
-                  "blk.3.ffn_gate_exps.weight", "rope_freqs.weight", "output_norm.bias", "blk..attn_k.weight",
-                  "blk.-1.attn_k.weight", "blk.3.attn_qkv.weight", "")
+_GGUF_KEY, _GGUF_VALUE = "general.architecture", "llama"
+_GGUF_ALIGNMENT = 32
 
 
-def _book_names() -> dict[str, str]:
-    """GGUF name -> the book's parameter name, from the package's own table (groundup.pretrained): an untied model
-    of 1,000 blocks and SmolLM2's tied one of 30."""
-    from groundup.pretrained import gguf_tensor_names
+def _one_tensor_gguf(name: str, tensor: torch.Tensor, *, sizes: str = "contiguous first", padding: bool = True,
+                     offset: str = "data", strings: str = "length", length: str = "bytes", values: str = "rows",
+                     ) -> tuple[bytes, list[tuple[int, int, str]]]:
+    """The GGUF file of the exercise (the defaults) or one written with a plausible mistake; and its fields as
+    (start, end, what) for telling the reader where a file first differs."""
+    fields: list[tuple[int, int, str]] = []
+    out = bytearray()
 
-    names = {}
-    for n_layers, tied in ((1000, False), (30, True)):
-        config = GPTConfig(vocab_size=16, context_length=8, d_model=8, n_layers=n_layers, n_heads=2, n_kv_heads=1,
-                           d_ff=16, positional="rope", norm="rmsnorm", activation="swiglu", bias=False,
-                           tie_weights=tied)
-        names.update({theirs: ours for ours, theirs in gguf_tensor_names(config).items()})
-    return names
+    def put(raw: bytes, what: str) -> None:
+        fields.append((len(out), len(out) + len(raw), what))
+        out.extend(raw)
+
+    def string(text: str, what: str) -> None:
+        raw = text.encode("utf-8")
+        if strings == "length":
+            put(struct.pack("<Q", len(text) if length == "characters" else len(raw)), f"the length of {what}")
+        put(raw, f"the UTF-8 bytes of {what}")
+
+    dims = tuple(tensor.shape) if sizes == "pytorch" else tuple(reversed(tensor.shape))
+    put(b"GGUF", "the magic b'GGUF'")
+    put(struct.pack("<I", 3), "the version (uint32 3)")
+    put(struct.pack("<Q", 1), "the tensor count (uint64 1)")
+    put(struct.pack("<Q", 1), "the metadata count (uint64 1)")
+    string(_GGUF_KEY, f"the key {_GGUF_KEY!r}")
+    put(struct.pack("<I", 8), "the value type (uint32 8, a string)")
+    string(_GGUF_VALUE, f"the value {_GGUF_VALUE!r}")
+    string(name, f"the tensor name {name!r}")
+    put(struct.pack("<I", len(dims)), "n_dims (uint32)")
+    put(struct.pack(f"<{len(dims)}Q", *dims), "the sizes (uint64 each, contiguous first)")
+    put(struct.pack("<I", 0), "the tensor type (uint32 0, F32)")
+    table_end = len(out) + 8
+    data_start = -(-table_end // _GGUF_ALIGNMENT) * _GGUF_ALIGNMENT if padding else table_end
+    put(struct.pack("<Q", data_start if offset == "file" else 0), "the tensor's offset (uint64 0)")
+    put(bytes(data_start - table_end), f"the zero padding up to byte {data_start} (a multiple of 32)")
+    t = tensor.detach()
+    if values == "storage":  # the memory of a non-contiguous tensor, in its own order
+        t = torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
+    put(t.to(torch.float64 if values == "float64" else torch.float32).contiguous().numpy().tobytes(),
+        "the data (float32, little-endian, row by row)")
+    return bytes(out), fields
 
 
-def check_book_name(fn: Callable) -> Verdict:
-    """Exercise 12.7: ``fn(gguf_name) -> name``, the parameter of the book's GPT that a LLaMA GGUF file's tensor
-    loads into ("blk.17.ffn_gate.weight" -> "blocks.17.ffn.W_gate.weight"); a name the GPT has no parameter for
-    raises KeyError or ValueError. Compared with the package's table (groundup.pretrained.gguf_tensor_names,
-    inverted), whose use is refused."""
-    hint = ("This exercise asks for the table itself: groundup.pretrained is the book's loader. Split the name "
-            "at its dots and look the part up in a dict of your own.")
-    forbid = (_book_names,)
-    files = ("groundup/pretrained.py",)
+_GGUF_MISTAKES = (
+    ({"sizes": "pytorch"}, "GGUF lists the sizes contiguous first: ne[0] is the length of a row (PyTorch's last "
+     "dimension), so a tensor of PyTorch shape (3, 5) has the sizes 5, 3. Write reversed(tensor.shape)."),
+    ({"padding": False}, "The data section starts at the next multiple of 32 after the tensor table "
+     "(general.alignment, 32 when the file does not set it): write zero bytes up to it."),
+    ({"offset": "file"}, "A tensor's offset counts from the start of the data section, not from the start of the "
+     "file: the first (and only) tensor has offset 0."),
+    ({"strings": "none"}, "A string is its length as a uint64 (8 bytes, little-endian), then its UTF-8 bytes: the "
+     "key, the string value and the tensor name alike."),
+    ({"length": "characters"}, "A string's length counts bytes, not characters: len(text.encode('utf-8')), more "
+     "than len(text) when the text has non-ASCII characters."),
+    ({"values": "storage"}, "Write the values row by row, in the tensor's logical order: a transposed tensor is "
+     "not contiguous in memory (tensor.contiguous().numpy().tobytes() gives the right order)."),
+    ({"values": "float64"}, "F32 (type 0) stores each value in 4 bytes: convert to float32 (numpy's tobytes of a "
+     "float64 array gives 8 bytes a value)."),
+)
+
+_GGUF_FIELD_HINTS = (
+    ("the magic", "A GGUF file starts with the four bytes b'GGUF'."),
+    ("the version", "After the magic: the version 3 as a little-endian uint32 (struct.pack('<I', 3))."),
+    ("count", "Then the tensor count and the metadata count, a uint64 each ('<Q'): 1 and 1."),
+    ("the length of", "A string is its length in bytes as a uint64 ('<Q'), then its UTF-8 bytes."),
+    ("the UTF-8 bytes", "A string is its length in bytes as a uint64 ('<Q'), then its UTF-8 bytes, with no zero at "
+     "the end."),
+    ("the value type", "After the key: the value type as a uint32, 8 for a string."),
+    ("n_dims", "After the tensor's name: its number of dimensions as a uint32 (len(tensor.shape))."),
+    ("the sizes", "Then one uint64 per dimension, contiguous first: reversed(tensor.shape)."),
+    ("the tensor type", "Then the tensor's type as a uint32: 0 for F32."),
+    ("the tensor's offset", "Then its offset as a uint64, counted from the start of the data section: 0."),
+    ("padding", "After the tensor table, zero bytes up to the next multiple of 32."),
+    ("the data", "Then the values as little-endian float32, row by row: tensor.contiguous().numpy().tobytes()."),
+)
+
+
+def _gguf_cases() -> list[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, description) of the files the checker asks for: shapes from 1 x 1 to 576 x 7, one and two
+    dimensions, names with non-ASCII characters, a tensor that is not contiguous, special float values."""
+    g = torch.Generator().manual_seed(1207)
+    special = torch.tensor([[0.0, -0.0, 1e-45, -3.4e38], [3.4e38, -1e-30, 2.0 ** -126, 1 / 3],
+                            [65504.0, -1.5, 0.1, 7.0]]).repeat(1, 2)
+    transposed = torch.randn(6, 4, generator=g).T
+    return [("token_embd.weight", torch.randn(3, 5, generator=g), "a 3 x 5 tensor"),
+            ("w", torch.tensor([[1.5]]), "a 1 x 1 tensor"),
+            ("blk.0.ffn_down.weight", torch.randn(576, 7, generator=g) * 0.02, "a 576 x 7 tensor"),
+            ("output_norm.weight", torch.randn(8, generator=g), "a 1-D tensor of 8 values"),
+            ("größe.gewicht", torch.randn(2, 3, generator=g), "a 2 x 3 tensor with a non-ASCII name"),
+            ("重み.🙂", special, "a 3 x 8 tensor of special values (-0, a subnormal, +-3.4e38) with a non-ASCII "
+             "name"),
+            ("blk.1.attn_k.weight", transposed, "a 4 x 6 tensor that is the transpose of another (not contiguous "
+             "in memory)")]
+
+
+def _read_back(path: Path) -> tuple[str | None, dict | None, list | None]:
+    """What the two readers find in the file at ``path``: (the first error, else None; the metadata; the tensors as
+    (name, type, PyTorch shape, float32 values)), read by groundup.gguf.read_gguf (which checks every size against
+    the file first) and then by gguf.GGUFReader; both must agree."""
+    import gguf
+
+    from groundup.gguf import read_gguf
+
+    try:
+        ours = read_gguf(path)
+        found = [(name, info.ggml_type, tuple(info.shape), ours.tensor(name).clone()) for name, info in
+                 ours.tensors.items()]
+        metadata = dict(ours.metadata)
+        del ours
+    except Exception as err:  # noqa: BLE001 -- a file the reader wrote: its errors are the verdict
+        return f"groundup.gguf.read_gguf: {err}", None, None
+    try:
+        reader = gguf.GGUFReader(path)
+        theirs = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+        version = int(reader.fields["GGUF.version"].parts[0][0])
+        tensors = [(t.name, int(t.tensor_type), tuple(int(n) for n in reversed(t.shape.tolist())),
+                    torch.from_numpy(np.array(t.data, dtype=np.float32))) for t in reader.tensors]
+        del reader
+    except Exception as err:  # noqa: BLE001
+        return f"gguf.GGUFReader: {type(err).__name__}: {err}", None, None
+    if version != 3:
+        return f"the version is {version}, expected 3", metadata, found
+    if theirs != metadata or len(tensors) != len(found) or any(
+            (a[:3], _bits(a[3])) != (b[:3], _bits(b[3].reshape(b[2])))
+            for a, b in zip(found, tensors)):
+        return "gguf.GGUFReader and groundup.gguf.read_gguf read the file differently", metadata, found
+    return None, metadata, found
+
+
+def _type_name(ggml_type: int) -> str:
+    """The name of a GGML tensor type (F32 for 0), or its number if unknown."""
+    from groundup.gguf import GGML_TYPE_NAMES
+
+    return GGML_TYPE_NAMES.get(ggml_type, str(ggml_type))
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    """The float32 values of ``t`` as bytes: equal for equal bits (-0.0 differs from 0.0, a NaN equals itself)."""
+    return t.to(torch.float32).contiguous().numpy().tobytes()
+
+
+def _first_difference(data: bytes, want: bytes, fields: list[tuple[int, int, str]]) -> tuple[str, str]:
+    """Where ``data`` first differs from ``want``, named by the field of the layout it falls in, and a hint."""
+    i = next((k for k, (a, b) in enumerate(zip(data, want)) if a != b), min(len(data), len(want)))
+    start, end, what = next((f for f in fields if f[0] <= i < f[1]), (i, i, "the end of the file"))
+    if i >= len(data):
+        where = f"the file ends at byte {len(data)}, inside {what} (bytes {start}..{end - 1})"
+    elif i >= len(want):
+        where = f"the file goes on past byte {len(want) - 1}, where the data ends: {len(data)} bytes in all"
+        return where, "Write nothing after the data."
+    else:
+        where = (f"byte {i} (in {what}, bytes {start}..{end - 1}) is {data[i]}, expected {want[i]}; that field is "
+                 f"{data[start:end][:16].hex(' ')} instead of {want[start:end][:16].hex(' ')}")
+    hint = next((h for key, h in _GGUF_FIELD_HINTS if key in what), "")
+    return where, hint
+
+
+def check_write_gguf(fn: Callable) -> Verdict:
+    """Exercise 12.7: ``fn(path, name, tensor)`` writes a GGUF version 3 file holding one metadata entry
+    (``general.architecture`` = ``"llama"``) and one F32 tensor (a float32 tensor of one or two dimensions),
+    which gguf.GGUFReader and groundup.gguf.read_gguf must read back exactly: the entry, the name, the shape and
+    every value's bits. Named mistakes: sizes in PyTorch's order, no alignment padding, the offset counted from the
+    file's start, strings without their length or with their length in characters, the values in memory order or
+    as float64. gguf's writer (gguf.GGUFWriter) is refused."""
+    title = "Exercise 12.7 (a one-tensor GGUF writer)"
+    missing = _gguf_missing(title)
+    if missing is not None:
+        return missing
+    import gguf
+
+    hint = ("This exercise asks you to write the bytes yourself with struct.pack: gguf.GGUFWriter is llama.cpp's "
+            "writer.")
+    forbid = (Forbidden(gguf.GGUFWriter, "__init__", label="gguf.GGUFWriter", hint=hint), _one_tensor_gguf,
+              _gguf_cases, _read_back, _first_difference)
 
     def checks():
-        table = _book_names()
-        rng = random.Random(127)
-        blocks = [0, 1, 9, 29] + rng.sample(range(30, 1000), 3)
-        names = ["token_embd.weight", "output_norm.weight", "output.weight"] + [
-            name for name in table if name.startswith("blk.") and int(name.split(".")[1]) in blocks]
-        for name in names:
-            call = f"my_book_name({name!r})"
-            got = _call(fn, name, call=call, names=("gguf_name",), files=files, hint=hint, forbid=forbid)
-            expect(isinstance(got, str), f"{call} returned {type(got).__name__}, expected a str",
-                   "Did you forget the `return` statement?" if got is None else "Return the name as a str.")
-            part = name.split(".")[-2]
-            expect(got == table[name], f"{call} = {got!r}, expected the GPT's {table[name]!r}",
-                   _PART_HINTS.get(part, "") + " Print [n for n, _ in smol.named_parameters()][:12] to see the "
-                   "book's names.")
-        for name in _UNKNOWN_NAMES:
-            call = f"my_book_name({name!r})"
-            try:
-                got = _call(fn, name, call=call, names=("gguf_name",), files=files, hint=hint, forbid=forbid)
-            except ReaderError as err:
-                expect(isinstance(err.error, (KeyError, ValueError)), f"{call} raised {type(err.error).__name__}: "
-                       f"{err.error}", "For a name the book's GPT has no parameter for, raise KeyError or ValueError "
-                       "on purpose (a dict lookup raises KeyError), not whatever error comes up first.")
-                continue
-            raise Mismatch(f"{call} returned {got!r}, but the book's GPT has no parameter for {name!r}",
-                           "Check every part of the name (the block number is a whole number, the last part is "
-                           "'weight', the middle part one of the nine of a block) and raise KeyError or ValueError "
-                           "for anything else.")
+        cases = _gguf_cases()
+        expected = [_one_tensor_gguf(name, tensor) for name, tensor, _ in cases]
+        with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as folder:
+            for k, ((name, tensor, what), (want, fields)) in enumerate(zip(cases, expected)):
+                path = Path(folder) / f"case{k}.gguf"
+                problem = _read_back(_written(path, want))[0]
+                if problem is not None:
+                    raise RuntimeError(f"the checker's own file for {what} does not read back: {problem}")
+                path.unlink()
+                call = f"my_write_gguf(path, {name!r}, tensor) for {what}"
+                _call(fn, path, name, tensor, call=call, names=("path", "name", "tensor"), hint=hint,
+                      modules=("gguf.gguf_writer",), forbid=forbid)
+                expect(path.is_file(), f"{call} wrote no file at path", "Open the file with open(path, 'wb') and "
+                       "write the bytes to it.")
+                data = path.read_bytes()
+                if data == want:
+                    continue
+                for change, mistake in _GGUF_MISTAKES:
+                    if data == _one_tensor_gguf(name, tensor, **change)[0]:
+                        raise Mismatch(f"{call}: {_first_difference(data, want, fields)[0]}", mistake)
+                problem, metadata, found = _read_back(path)
+                if problem is None:
+                    expect(metadata == {_GGUF_KEY: _GGUF_VALUE}, f"{call}: the file's metadata is {metadata}, "
+                           f"expected {{{_GGUF_KEY!r}: {_GGUF_VALUE!r}}}", "Write exactly one metadata entry: the "
+                           f"key {_GGUF_KEY!r}, the value type 8 (a string), the value {_GGUF_VALUE!r}.")
+                    shape = tuple(tensor.shape)
+                    if len(found) == 1 and found[0][:3] == (name, 0, shape) and \
+                            _bits(found[0][3]) == _bits(tensor):
+                        continue  # another valid file (say, zero bytes after the data): the readers read it right
+                    problem = (f"the readers find the tensors {[(n, _type_name(t), s) for n, t, s, _ in found]} "
+                               f"(name, type, PyTorch shape), expected [({name!r}, 'F32', {shape})]"
+                               if [f[:3] for f in found] != [(name, 0, shape)] else "the readers find other values")
+                where, field_hint = _first_difference(data, want, fields)
+                raise Mismatch(f"{call}: {problem}; {where}", field_hint)
 
-    return run_checks("Exercise 12.7 (the book's name of a GGUF tensor)", checks,
-                      f"All {9 * 7 + 3} names tried (blocks 0 to 999, the embedding, the norms, U) map to the book's "
-                      f"parameters, and {len(_UNKNOWN_NAMES)} names that are not a parameter raise an error.")
+    return run_checks(title, checks, "gguf.GGUFReader and groundup's read_gguf read your files back exactly: the "
+                      "entry, the names (non-ASCII too), the shapes from 1 x 1 to 576 x 7 and 1-D, every value's "
+                      "bits, a transposed tensor in its logical order.")
+
+
+def _written(path: Path, data: bytes) -> Path:
+    """``path``, after writing ``data`` to it."""
+    path.write_bytes(data)
+    return path
