@@ -1,6 +1,7 @@
 """tools/ch13_results.py (chapter 13's base and LoRA runs on the dates task) and the entries it stored in
 chapter13.json. SmolLM2 is replaced by a tiny GPT and a byte-level tokenizer through ``finetuning.load_base``."""
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -13,8 +14,21 @@ import torch.nn.functional as F
 from tiny_chat_base import tiny_base
 
 from groundup import finetuning
-from groundup.instructions import date_instructions, encode_instructions, exact_match_eval
+from groundup.instructions import (
+    DATE_FORMATS,
+    Prediction,
+    date_format,
+    date_instructions,
+    encode_instructions,
+    error_breakdown,
+    evaluate_answers,
+    exact_match_eval,
+    format_shots,
+    generate_answer,
+)
 from groundup.lora import lora_layers
+from groundup.models import GPT
+from groundup.significance import mcnemar_test, wilson_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -33,6 +47,89 @@ TINY = dict(ch13_results.FINETUNE, steps=3, batch_size=2, n_train=8, eval_interv
 def tiny(monkeypatch):
     monkeypatch.setattr(finetuning, "load_base", lambda name=finetuning.BASE_NAME: tiny_base())
     monkeypatch.setattr(ch13_results, "MAX_NEW_TOKENS", 4)
+
+
+@pytest.fixture
+def tiny_long(monkeypatch):
+    """A tiny base in float64 (batched and one-at-a-time answers agree exactly) with a context long enough for the
+    11 shots of format_shots written in bytes (about 2,000 tokens)."""
+    def load(name=finetuning.BASE_NAME):
+        model, tokenizer = tiny_base()
+        torch.manual_seed(0)
+        long = GPT(dataclasses.replace(model.config, context_length=4096))
+        return long.double().eval(), tokenizer
+
+    monkeypatch.setattr(finetuning, "load_base", load)
+    monkeypatch.setattr(ch13_results, "MAX_NEW_TOKENS", 4)
+
+
+def _stored_predictions(record: dict, n_eval: int) -> list[Prediction]:
+    """The Prediction objects of a stored held-out record, rebuilt from its replies and the test dates."""
+    test = date_instructions("test", n_eval, seed=finetuning.DATA_SEED)
+    unended = set(record["unended"])
+    return [Prediction(i, date_format(prompt.rsplit(": ", 1)[-1]), answer, text, i not in unended, text.strip())
+            for i, ((prompt, answer), text) in enumerate(zip(test, record["predictions"], strict=True))]
+
+
+def _check_record(record: dict, n_eval: int, shots) -> list[Prediction]:
+    """A held-out record agrees with its own replies: counts, interval, errors by kind, field and format."""
+    predictions = _stored_predictions(record, n_eval)
+    correct = sum(p.correct for p in predictions)
+    assert (record["n"], record["correct"]) == (n_eval, correct)
+    assert record["exact_match"] == correct / n_eval
+    assert record["interval"] == [round(v, 5) for v in wilson_interval(correct, n_eval)]
+    found = error_breakdown(predictions, shots)
+    assert {k: record[k] for k in ("kinds", "fields", "by_format")} == {
+        k: found[k] for k in ("kinds", "fields", "by_format")}
+    assert sum(record["kinds"].values()) == n_eval - correct
+    return predictions
+
+
+def test_the_base_eval_entry_stores_every_prediction(tiny_long):
+    entry = ch13_results.run_base_eval(5, batch_size=2)
+    model, tokenizer = finetuning.load_base()
+    test = date_instructions("test", 5, seed=finetuning.DATA_SEED)
+    shots = format_shots(finetuning.DATA_SEED)
+    assert entry["shots"] == [[p.rsplit(": ", 1)[-1], a] for p, a in shots]
+    assert sorted(entry["shot_formats"]) == sorted(DATE_FORMATS)
+    assert (entry["n_eval"], entry["max_new_tokens"], entry["batch_size"]) == (5, 4, 2)
+    found = {}
+    for name, given in (("zero_shot", ()), ("11_shot", shots)):
+        record = entry[name]
+        # every reply is the one-at-a-time greedy reply
+        assert record["predictions"] == [generate_answer(model, tokenizer, p, shots=given, max_new_tokens=4)
+                                         for p, _ in test]
+        found[name] = _check_record(record, 5, given)
+        assert record["seconds_per_question"] >= 0
+    test_ = mcnemar_test([p.correct for p in found["11_shot"]], [p.correct for p in found["zero_shot"]])
+    assert entry["mcnemar"] == {"a": "11_shot", "b": "zero_shot", "a_only": test_.a_only, "b_only": test_.b_only,
+                                "both": test_.both, "neither": test_.neither, "p_value": test_.p_value}
+
+
+def test_a_fine_tune_entry_with_n_test_stores_every_prediction(tmp_path, tiny):
+    out = tmp_path / "ft"
+    entry = ch13_results.run_finetune(0, n_eval=2, out=out, settings=TINY, n_test=3, batch_size=2)
+    assert (entry["n_test"], entry["batch_size"]) == (3, 2)
+    model, tokenizer = tiny_base()
+    finetuning.load_adapters(model, out, merge=False)
+    test = date_instructions("test", 3, seed=finetuning.DATA_SEED)
+    predictions = evaluate_answers(model.eval(), tokenizer, test, max_new_tokens=4, batch_size=2)
+    assert entry["held_out"]["predictions"] == [p.text for p in predictions]
+    _check_record(entry["held_out"], 3, ())
+
+
+def test_main_stores_a_base_eval_entry_with_its_command(tiny_long, monkeypatch):
+    stored = {}
+    monkeypatch.setattr(ch13_results, "store", lambda key, entry: stored.update({key: entry}))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ch13_results.main(["--entry", "base-eval", "--n-eval", "3", "--batch-size", "2"])
+    (key, entry), = stored.items()
+    assert key == "base-eval/n3" and entry["entry"] == "base-eval"
+    assert entry["command"] == ("OMP_NUM_THREADS=1 python tools/ch13_results.py --entry base-eval --n-eval 3 "
+                                "--batch-size 2")
+    assert len(entry["zero_shot"]["predictions"]) == 3
+    with pytest.raises(SystemExit):
+        ch13_results.main(["--entry", "lora", "--n-test", "0"])
 
 
 @pytest.mark.parametrize("mask_prompt", [True, False])
@@ -94,6 +191,16 @@ def test_stored_entry_matches_its_command_and_settings(key):
     assert words[0] == f"OMP_NUM_THREADS={entry['threads']}" and words[1:3] == ["python", "tools/ch13_results.py"]
     kind, n_eval = words[words.index("--entry") + 1], int(words[words.index("--n-eval") + 1])
     assert entry["entry"] == kind and entry["n_eval"] == n_eval
+    if kind == "base-eval":
+        assert key == f"base-eval/n{n_eval}" and entry["batch_size"] == int(words[words.index("--batch-size") + 1])
+        shots = format_shots(finetuning.DATA_SEED)
+        assert entry["shots"] == [[p.rsplit(": ", 1)[-1], a] for p, a in shots]
+        found = {name: _check_record(entry[name], n_eval, given)
+                 for name, given in (("zero_shot", ()), (f"{len(shots)}_shot", shots))}
+        test = mcnemar_test(*[[p.correct for p in found[name]] for name in (f"{len(shots)}_shot", "zero_shot")])
+        assert (entry["mcnemar"]["a_only"], entry["mcnemar"]["b_only"], entry["mcnemar"]["p_value"]) == (
+            test.a_only, test.b_only, test.p_value)
+        return
     if kind == "base":
         assert key == f"base/n{n_eval}"
         for name in ("zero_shot", "3_shot"):
@@ -101,7 +208,12 @@ def test_stored_entry_matches_its_command_and_settings(key):
             assert len(entry[name]["examples"]) == 3
         return
     seed = int(words[words.index("--seed") + 1])
-    assert key == f"{kind}/seed{seed}/n{n_eval}" and entry["seed"] == seed
+    n_test = int(words[words.index("--n-test") + 1]) if "--n-test" in words else None
+    assert key == f"{kind}/seed{seed}/n{n_eval}" + ("" if n_test is None else f"/test{n_test}")
+    assert entry["seed"] == seed
+    if n_test is not None:
+        assert entry["n_test"] == n_test
+        _check_record(entry["held_out"], n_test, ())
     assert entry["mask_prompt"] is (kind == "lora")
     assert entry["settings"] == ch13_results.FINETUNE
     assert entry["finetune_args"] == ch13_results.finetune_args("DIR", seed, n_eval, kind == "lora")

@@ -17,15 +17,27 @@ from groundup import instructions
 from groundup.data import locate_smollm2
 from groundup.gguf import read_gguf
 from groundup.instructions import (
+    DATE_FORMATS,
+    ERROR_KINDS,
     INSTRUCTION,
     InstructionData,
+    Prediction,
+    date_format,
     date_instructions,
     encode_instructions,
+    error_breakdown,
+    error_kind,
+    evaluate_answers,
     exact_match_eval,
+    format_shots,
     generate_answer,
+    generate_answers,
     instruction_batches,
     instruction_messages,
+    iso_fields,
     read_task_file,
+    score_predictions,
+    wrong_fields,
 )
 from groundup.models import GPT, GPTConfig
 from groundup.pretrained import SMOLLM2_SYSTEM_PROMPT, encode_chat, gguf_tokenizer
@@ -343,3 +355,177 @@ def test_instruction_data_checks_its_fields():
         InstructionData([x], [x.float()], 0)
     with pytest.raises(ValueError, match="pad_id must be a token id"):
         InstructionData([x], [x], -1)
+
+
+# ---- batched answers ------------------------------------------------------------------------------------------
+
+def _ending_gpt(vocab_size: int, seed: int) -> GPT:
+    """A tiny random GPT in float64 (no argmax near-ties) whose <|im_end|> logit is boosted, so that some replies end
+    within a few tokens and others run to max_new_tokens."""
+    model = _tiny_gpt(vocab_size, seed=seed).double()
+    with torch.no_grad():
+        model.unembedding.weight[END] *= 4.0
+    return model
+
+
+def _questions(n: int) -> list[str]:
+    return [f"Q {source}" for source, _ in date_examples(n, split="held_out")]
+
+
+@pytest.mark.parametrize("shots, batch_size", [((), 1), ((), 3), ([("q1", "a1"), ("q2 longer", "a2")], 4),
+                                               ([("q1", "a1")], 64)])
+def test_batched_answers_are_the_one_at_a_time_answers(byte_tok, shots, batch_size):
+    model = _ending_gpt(byte_tok.vocab_size, seed=2)
+    prompts = _questions(14)
+    assert len({len(p) for p in prompts}) < len(prompts)  # some prompts share a length: real batches
+    one = [generate_answer(model, byte_tok, p, shots=shots, system="Be brief.", max_new_tokens=6) for p in prompts]
+    batched = generate_answers(model, byte_tok, prompts, shots=shots, system="Be brief.", max_new_tokens=6,
+                               batch_size=batch_size)
+    assert batched == one
+    predictions = evaluate_answers(model, byte_tok, [(p, "x") for p in prompts], shots=shots, system="Be brief.",
+                                   max_new_tokens=6, batch_size=batch_size)
+    assert [p.text for p in predictions] == one
+    ended = [p.ended for p in predictions]
+    assert any(ended) and not all(ended)  # rows leave their batch early, others write all 6 tokens
+
+
+def test_batched_answers_in_float32_and_with_one_prompt(byte_tok):
+    model = _tiny_gpt(byte_tok.vocab_size, seed=3)
+    prompts = _questions(6)
+    one = [generate_answer(model, byte_tok, p, system="S", max_new_tokens=5) for p in prompts]
+    assert generate_answers(model, byte_tok, prompts, system="S", max_new_tokens=5) == one
+    assert generate_answers(model, byte_tok, prompts[:1], system="S", max_new_tokens=5) == one[:1]
+    assert model.training is False
+
+
+def test_evaluate_answers_records_every_prediction(byte_tok):
+    # the reply is "42" then <|im_end|>, or with max_new_tokens=1 only "4", unended
+    model = _successor_gpt(byte_tok.vocab_size, {ord("\n"): ord("4"), ord("4"): ord("2"), ord("2"): END}, ord("x"))
+    pairs = [(f"Write: {s}", a) for s, a in date_examples(3, split="held_out")] + [("Six times seven?", " 42\n")]
+    predictions = evaluate_answers(model, byte_tok, pairs, system="S")
+    assert [(p.id, p.expected, p.text, p.ended, p.answer) for p in predictions] == [
+        (i, a, "42", True, "42") for i, (_, a) in enumerate(pairs)]
+    assert [p.format for p in predictions] == [date_format(s) for s, _ in date_examples(3, split="held_out")] + [
+        "other"]
+    assert [p.correct for p in predictions] == [False, False, False, True]
+    score, _ = exact_match_eval(model, byte_tok, pairs, system="S")
+    assert score == sum(p.correct for p in predictions) / len(pairs)
+    cut = evaluate_answers(model, byte_tok, pairs[:1], system="S", max_new_tokens=1)[0]
+    assert (cut.text, cut.ended) == ("4", False)
+
+
+def test_batched_answers_refuse_what_they_cannot_do(byte_tok):
+    model = _tiny_gpt(byte_tok.vocab_size)
+    with pytest.raises(ValueError, match="do not fit the model's context of 512"):
+        generate_answers(model, byte_tok, ["x" * 600])
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        generate_answers(model, byte_tok, ["x"], batch_size=0)
+    with pytest.raises(TypeError, match="prompts must be a non-empty list"):
+        generate_answers(model, byte_tok, "x")
+    with pytest.raises(ValueError, match="pairs is empty"):
+        evaluate_answers(model, byte_tok, [])
+
+
+# ---- input formats and shots -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("source, name", [
+    ("twenty-first of march nineteen seventy-nine", "D of M Y"),
+    ("tuesday, the twenty-first of march, nineteen seventy-nine", "the D of M, Y"),
+    ("march twenty-first, two thousand and five", "M D, Y"),
+    ("march the first twenty twelve", "M the D Y"),
+    ("sunday, thirtieth april nineteen oh five", "D M Y"),
+    ("march twenty-one, nineteen hundred", "M N, Y"),
+    ("march nineteen seventy-nine", "M Y"), ("march of two thousand", "M of Y"),
+    ("december, two thousand forty-seven", "M, Y"),
+    ("twenty twelve", "Y"), ("the year two thousand and two", "the year Y")])
+def test_date_format_names_each_wording(source, name):
+    assert date_format(source) == name and name in DATE_FORMATS
+
+
+@pytest.mark.parametrize("source", ["1979-03-21", "march", "tuesday, march nineteen seventy-nine",
+                                    "the year", "twenty-first of march", "march thirty-second, twenty twelve"])
+def test_date_format_refuses_other_text(source):
+    with pytest.raises(ValueError, match="not a date of the dates task"):
+        date_format(source)
+
+
+def test_every_date_of_the_task_has_a_format():
+    sources = [s for s, _ in date_examples(600) + date_examples(300, split="held_out")]
+    assert {date_format(s) for s in sources} == set(DATE_FORMATS) and len(DATE_FORMATS) == 11
+
+
+def test_format_shots_cover_every_format_with_training_dates():
+    shots = format_shots()
+    assert shots == format_shots(0) and shots != format_shots(1)
+    sources = [p[len(INSTRUCTION) - len("{date}"):] for p, _ in shots]
+    assert all(p == INSTRUCTION.format(date=s) for (p, _), s in zip(shots, sources))
+    assert sorted(date_format(s) for s in sources) == sorted(DATE_FORMATS)
+    assert any(s.split(",")[0] in {"monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"}
+               for s in sources)
+    train = date_examples(2000)
+    assert all((s, a) in train for s, (_, a) in zip(sources, shots))  # training dates, in their order
+    assert [train.index((s, a)) for s, (_, a) in zip(sources, shots)] == sorted(
+        train.index((s, a)) for s, (_, a) in zip(sources, shots))
+    assert not {a for _, a in shots} & {a for _, a in date_instructions("test", 1000)}
+    assert format_shots(instruction="Date? {date}")[0][0] == "Date? " + sources[0]
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------
+
+SHOTS = [("q", "1999-04-09"), ("q", "2031-11"), ("q", "1950")]
+
+
+@pytest.mark.parametrize("expected, answer, kind", [
+    ("2022-04-28", "2022-04-28", None), ("2022-04-28", " 2022-04-28\n", None),
+    ("2022-04-28", "28-04-2022", "format"), ("2022-04-28", "2022-4-28", "format"),
+    ("2022-04-28", "2022-04", "format"), ("2005-03", "2005-03-01", "format"), ("2012", "The year 2012", "format"),
+    ("2022-04-28", "２０２２-04-28", "format"), ("2022-05-28", "1999-04", "format"),
+    ("2022-05-28", "2022-04-28", "copy"),      # month 04 is the first shot's month
+    ("2022-05-28", "2022-05-09", "copy"),      # day 09 is the first shot's day
+    ("2022-05", "2031-05", "copy"),            # year 2031 is the second shot's year
+    ("2022-05-28", "1950-05-28", "copy"),      # ... the third shot's year
+    ("2022-05-28", "2022-06-28", "value"),
+    ("1999-05-28", "1999-05-27", "value"),     # the right year equals a shot's: not a copy
+    ("2022-05", "2022-09", "value"),           # 09 is a shot's day, not a month
+    ("2022-05-28", "2022-13-28", "value"),     # ISO-shaped: an impossible month is a wrong value
+])
+def test_error_kind_by_hand(expected, answer, kind):
+    assert error_kind(expected, answer, SHOTS) == kind
+    if kind == "copy":
+        assert error_kind(expected, answer) == "value"  # without shots nothing is a copy
+
+
+def test_iso_and_wrong_fields_by_hand():
+    assert iso_fields(" 2005-03\n") == ("2005", "03") and iso_fields("2005") == ("2005",)
+    assert iso_fields("2005-3") is None and iso_fields("05-03-2005") is None and iso_fields("2005-03-01-02") is None
+    assert wrong_fields("1981-05-03", "1981-04-03") == ("month",)
+    assert wrong_fields("1981-05-03", "1918-05-30") == ("year", "day")
+    assert wrong_fields("1981-05", "1981-05") == ()
+    with pytest.raises(ValueError, match="cannot be compared"):
+        wrong_fields("1981-05-03", "1981-05")
+    with pytest.raises(ValueError, match="expected must be an ISO date"):
+        error_kind("May 1981", "1981-05")
+    assert ERROR_KINDS == ("format", "copy", "value")
+
+
+def test_error_breakdown_and_scores_by_hand():
+    def pred(i, fmt, expected, answer):
+        return Prediction(i, fmt, expected, answer, True, answer.strip())
+
+    predictions = [pred(0, "D M Y", "2022-05-28", "2022-05-28"), pred(1, "D M Y", "2022-05-28", "2022-04-28"),
+                   pred(2, "M Y", "2022-05", "2022-06"), pred(3, "Y", "2012", "12"),
+                   pred(4, "D M Y", "2022-05-28", "1923-05-09"), pred(5, "Y", "2012", " 2012")]
+    found = error_breakdown(predictions, SHOTS)
+    assert found == {"n": 6, "correct": 2, "kinds": {"format": 1, "copy": 2, "value": 1},
+                     "fields": {"year": 1, "month": 2, "day": 1},
+                     "by_format": {"D M Y": [1, 3], "M Y": [0, 1], "Y": [1, 2]}}
+    assert error_breakdown(predictions)["kinds"] == {"format": 1, "copy": 0, "value": 3}
+    scored = score_predictions(predictions, SHOTS)
+    assert (scored["n"], scored["correct"], scored["exact_match"]) == (6, 2, 2 / 6)
+    from groundup.significance import wilson_interval
+    assert scored["interval"] == list(wilson_interval(2, 6))
+    assert scored["kinds"] == found["kinds"] and scored["by_format"] == found["by_format"]
+    with pytest.raises(ValueError, match="nothing to score"):
+        score_predictions([])
+    with pytest.raises(TypeError, match="Prediction objects"):
+        error_breakdown(["2012"])

@@ -4,6 +4,8 @@
     OMP_NUM_THREADS=1 python tools/ch13_results.py --entry base                   # zero-shot and 3-shot only
     OMP_NUM_THREADS=1 python tools/ch13_results.py --entry lora --seed 1          # one masked fine-tune
     OMP_NUM_THREADS=1 python tools/ch13_results.py --entry lora-nomask --seed 0   # the fine-tune without the mask
+    OMP_NUM_THREADS=1 python tools/ch13_results.py --entry base-eval --n-eval 1000   # every prediction, base model
+    OMP_NUM_THREADS=1 python tools/ch13_results.py --entry lora --seed 0 --n-test 1000   # ... and of a fine-tune
 
 Three kinds of entry, all on chapter 10's dates task as instructions (:mod:`groundup.instructions`) for
 SmolLM2-135M-Instruct, scored on the first ``--n-eval`` held-out test dates (50 by default) by greedy exact match
@@ -17,9 +19,21 @@ SmolLM2-135M-Instruct, scored on the first ``--n-eval`` held-out test dates (50 
 - ``lora-nomask``: the same fine-tune with ``--no-mask``: the prompt's tokens (system message, chat template and
   instruction) are targets too.
 
-Every entry also measures two losses of its model on the first ``--n-eval`` validation dates, each the mean
-next-token cross-entropy in nats per target token, pooled over the examples: ``answer`` over the answer's tokens
-and its ``<|im_end|>`` (what the masked loss trains), ``all`` over every token of the example after the first
+- ``base-eval``: the base model zero-shot and with :func:`groundup.instructions.format_shots` (one training date in
+  each of the task's 11 input formats, a weekday among them) on the first ``--n-eval`` held-out dates, answered
+  in batches (:func:`groundup.instructions.evaluate_answers`: the same greedy replies as one at a time). The entry
+  stores every raw reply (``predictions``, in question order: question ``i`` is ``date_instructions("test",
+  n_eval)[i]``), the ids of those cut at ``max_new_tokens`` (``unended``), the exact match with its 95 % Wilson
+  interval, the errors by kind and by field and the exact match per input format
+  (:func:`groundup.instructions.score_predictions`), the exact McNemar test of the two prompts on the same questions,
+  and the seconds per question. No validation losses.
+
+``--n-test N`` adds the same held-out record (``held_out``: scores, errors and every reply, batched answers on the
+first N test dates) to a ``lora`` or ``lora-nomask`` entry, whose key then ends in ``/test{N}``.
+
+Every entry but ``base-eval`` also measures two losses of its model on the first ``--n-eval`` validation dates, each
+the mean next-token cross-entropy in nats per target token, pooled over the examples: ``answer`` over the answer's
+tokens and its ``<|im_end|>`` (what the masked loss trains), ``all`` over every token of the example after the first
 (what the unmasked loss trains). The training loop's own curve (``val_loss``) averages ``eval_batches`` fixed
 random batches of the validation dates with the loss the run trains: answer tokens for ``lora``, all tokens for
 ``lora-nomask``.
@@ -44,15 +58,20 @@ from results_file import add_entry
 from groundup import finetuning
 from groundup.instructions import (
     IGNORE_INDEX,
+    date_format,
     date_instructions,
     encode_instructions,
+    evaluate_answers,
     exact_match_eval,
+    format_shots,
     instruction_batches,
+    score_predictions,
 )
+from groundup.significance import mcnemar_test
 from groundup.training import train
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter13.json"
-ENTRIES = ("base", "lora", "lora-nomask")
+ENTRIES = ("base", "lora", "lora-nomask", "base-eval")
 FINETUNE = dict(steps=40, batch_size=8, rank=8, alpha=16.0, targets=["W_q", "W_v"], lr=2e-3, warmup=4, context=128,
                 n_train=1000, eval_interval=10, eval_batches=4)
 """The fine-tunes' settings (``groundup finetune`` flags): 40 steps take about 1.5 minutes with two threads on two
@@ -61,11 +80,43 @@ two minutes of answering the held-out dates."""
 SHOTS = 3
 MAX_NEW_TOKENS = finetuning.FINETUNE_DEFAULTS["max_new_tokens"]
 ENVIRONMENT = ("OMP_NUM_THREADS", "MKL_CBWR", "ATEN_CPU_CAPABILITY")
+BATCH_SIZE = 32
+"""Questions answered together by the batched evaluation (``--batch-size``): the replies do not depend on it, up
+to float32 rounding of an argmax near-tie."""
 
 
-def command(entry: str, seed: int | None, n_eval: int, threads: int) -> str:
+def command(entry: str, seed: int | None, n_eval: int, threads: int, n_test: int | None = None,
+            batch_size: int = BATCH_SIZE) -> str:
     seed_part = "" if seed is None else f" --seed {seed}"
-    return f"OMP_NUM_THREADS={threads} python tools/ch13_results.py --entry {entry}{seed_part} --n-eval {n_eval}"
+    test_part = "" if n_test is None else f" --n-test {n_test}"
+    batch_part = f" --batch-size {batch_size}" if entry == "base-eval" or n_test is not None else ""
+    return (f"OMP_NUM_THREADS={threads} python tools/ch13_results.py --entry {entry}{seed_part} --n-eval {n_eval}"
+            f"{test_part}{batch_part}")
+
+
+def held_out_record(model, tokenizer, test, shots=(), *, batch_size: int = BATCH_SIZE) -> tuple[dict, list]:
+    """``(record, predictions)``: every question of ``test`` answered in batches after ``shots``, scored.
+
+    The record: ``n``, ``correct``, ``exact_match``, ``interval`` (95 % Wilson, rounded to 5 decimals), ``kinds``,
+    ``fields`` and ``by_format`` (:func:`groundup.instructions.score_predictions`), ``predictions`` (every raw
+    reply, in question order), ``unended`` (the ids of the replies cut at ``MAX_NEW_TOKENS``) and the seconds it
+    took, in all and per question."""
+    start = time.perf_counter()
+    predictions = evaluate_answers(model, tokenizer, test, shots=shots, max_new_tokens=MAX_NEW_TOKENS,
+                                   batch_size=batch_size)
+    seconds = time.perf_counter() - start
+    record = score_predictions(predictions, shots)
+    record["interval"] = [round(v, 5) for v in record["interval"]]
+    record.update(predictions=[p.text for p in predictions], unended=[p.id for p in predictions if not p.ended],
+                  seconds=round(seconds, 1), seconds_per_question=round(seconds / len(test), 3))
+    return record, predictions
+
+
+def paired(a_name: str, a, b_name: str, b) -> dict:
+    """The exact McNemar test of two lists of predictions of the same questions (A against B)."""
+    test = mcnemar_test([p.correct for p in a], [p.correct for p in b])
+    return {"a": a_name, "b": b_name, "a_only": test.a_only, "b_only": test.b_only, "both": test.both,
+            "neither": test.neither, "p_value": test.p_value}
 
 
 def finetune_args(out, seed: int, n_eval: int, mask_prompt: bool, settings: dict = FINETUNE) -> list[str]:
@@ -120,13 +171,35 @@ def run_base(n_eval: int) -> dict:
     return entry
 
 
+def run_base_eval(n_eval: int, *, batch_size: int = BATCH_SIZE) -> dict:
+    """The base model zero-shot and with :func:`format_shots` on the first ``n_eval`` held-out dates, every
+    prediction kept (:func:`held_out_record`), and the paired test of the two prompts."""
+    start = time.perf_counter()
+    model, tokenizer = finetuning.load_base()
+    model.eval()
+    test = date_instructions("test", n_eval, seed=finetuning.DATA_SEED)
+    shots = format_shots(finetuning.DATA_SEED)
+    k_shot = f"{len(shots)}_shot"
+    dates = [prompt.rsplit(": ", 1)[-1] for prompt, _ in shots]
+    entry = {"n_eval": n_eval, "max_new_tokens": MAX_NEW_TOKENS, "batch_size": batch_size,
+             "shots": [[date, answer] for date, (_, answer) in zip(dates, shots)],
+             "shot_formats": [date_format(date) for date in dates]}
+    found = {}
+    for name, given in (("zero_shot", ()), (k_shot, shots)):
+        entry[name], found[name] = held_out_record(model, tokenizer, test, given, batch_size=batch_size)
+    entry["mcnemar"] = paired(k_shot, found[k_shot], "zero_shot", found["zero_shot"])
+    entry["wall_seconds"] = round(time.perf_counter() - start, 1)
+    return entry
+
+
 def run_finetune(seed: int, *, mask_prompt: bool = True, n_eval: int = 50, out=None,
-                 settings: dict = FINETUNE) -> dict:
+                 settings: dict = FINETUNE, n_test: int | None = None, batch_size: int = BATCH_SIZE) -> dict:
     """One fine-tune as ``groundup finetune`` runs it, then its exact match on the test dates and its losses.
 
     The run is built by :mod:`groundup.finetuning` itself (its parser and ``_prepare``), trained by
     :func:`groundup.training.train` with :func:`instruction_batches`, and its adapters-only checkpoint is left in
-    ``out`` (a temporary folder when None)."""
+    ``out`` (a temporary folder when None). With ``n_test`` the entry also holds ``held_out``: the first
+    ``n_test`` held-out dates answered in batches and scored, every reply kept (:func:`held_out_record`)."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(out) if out is not None else Path(tmp) / "ft"
@@ -140,8 +213,12 @@ def run_finetune(seed: int, *, mask_prompt: bool = True, n_eval: int = 50, out=N
         score, predictions = exact_match_eval(model, tokenizer, test, max_new_tokens=MAX_NEW_TOKENS)
         val = date_instructions("val", n_eval, seed=finetuning.DATA_SEED)
         losses = token_losses(model, tokenizer, val, run["context"])
+        if n_test is not None:
+            held = date_instructions("test", n_test, seed=finetuning.DATA_SEED)
+            held_out = held_out_record(model, tokenizer, held, batch_size=batch_size)[0]
     argv[1] = "DIR"  # the run folder is not part of the result
-    return {"seed": seed, "mask_prompt": mask_prompt, "n_eval": n_eval, "settings": dict(settings),
+    more = {} if n_test is None else {"n_test": n_test, "batch_size": batch_size, "held_out": held_out}
+    return {**more, "seed": seed, "mask_prompt": mask_prompt, "n_eval": n_eval, "settings": dict(settings),
             "finetune_args": argv, "max_new_tokens": MAX_NEW_TOKENS,
             "exact_match": score, "correct": round(score * len(test)), "examples": examples(test, predictions),
             "eval_step": history.eval_step, "val_loss": [round(v, 5) for v in history.val_loss],
@@ -160,34 +237,50 @@ def store(key: str, entry: dict) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--entry", choices=ENTRIES, action="append", help="base, lora, lora-nomask (default: all)")
+    p.add_argument("--entry", choices=ENTRIES, action="append", help="base, lora, lora-nomask, base-eval (default: "
+                   "base, lora and lora-nomask)")
     p.add_argument("--seed", type=int, action="append", help="fine-tune seeds (default: 0 1 2 for lora, 0 for "
                    "lora-nomask)")
     p.add_argument("--n-eval", type=int, default=50, help="held-out test (and validation) dates (default: 50)")
+    p.add_argument("--n-test", type=int, help="lora, lora-nomask: also answer the first N held-out test dates in "
+                   "batches and store every reply (the key ends in /testN)")
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="questions answered together by base-eval "
+                   f"and --n-test (default: {BATCH_SIZE})")
     p.add_argument("--keep", metavar="DIR", help="keep each fine-tune's run folder under DIR")
     a = p.parse_args(argv)
-    if a.n_eval < 1:
-        p.error(f"--n-eval must be a positive integer, got {a.n_eval}")
+    for flag, value in (("--n-eval", a.n_eval), ("--n-test", a.n_test), ("--batch-size", a.batch_size)):
+        if value is not None and value < 1:
+            p.error(f"{flag} must be a positive integer, got {value}")
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(threads)
     jobs = []
-    for entry in a.entry or list(ENTRIES):
-        if entry == "base":
+    for entry in a.entry or list(ENTRIES[:3]):
+        if entry in ("base", "base-eval"):
             jobs.append((entry, None))
         else:
             jobs += [(entry, s) for s in a.seed or ([0, 1, 2] if entry == "lora" else [0])]
     for entry, seed in jobs:
+        n_test = None
         if entry == "base":
             key, result = f"base/n{a.n_eval}", run_base(a.n_eval)
+        elif entry == "base-eval":
+            key, result = f"base-eval/n{a.n_eval}", run_base_eval(a.n_eval, batch_size=a.batch_size)
         else:
-            key = f"{entry}/seed{seed}/n{a.n_eval}"
+            n_test = a.n_test
+            key = f"{entry}/seed{seed}/n{a.n_eval}" + ("" if n_test is None else f"/test{n_test}")
             out = Path(a.keep) / key.replace("/", "_") if a.keep else None
-            result = run_finetune(seed, mask_prompt=entry == "lora", n_eval=a.n_eval, out=out)
+            result = run_finetune(seed, mask_prompt=entry == "lora", n_eval=a.n_eval, out=out, n_test=n_test,
+                                  batch_size=a.batch_size)
         environment = {k: os.environ.get(k) for k in ENVIRONMENT}
-        store(key, {"command": command(entry, seed, a.n_eval, threads), "entry": entry, **result,
-                    "threads": torch.get_num_threads(), "environment": environment})
-        print(key, {k: v for k, v in result.items() if k in ("exact_match", "zero_shot", "3_shot", "wall_seconds",
-                                                              "val_token_loss")}, flush=True)
+        store(key, {"command": command(entry, seed, a.n_eval, threads, n_test, a.batch_size), "entry": entry,
+                    **result, "threads": torch.get_num_threads(), "environment": environment})
+        shown = {k: v for k, v in result.items() if k in ("exact_match", "wall_seconds", "val_token_loss")}
+        for k, v in result.items():
+            if isinstance(v, dict) and "predictions" in v:  # a held-out record: its scores, not its replies
+                shown[k] = {f: v[f] for f in ("correct", "n", "interval", "kinds", "seconds_per_question")}
+            elif k in ("zero_shot", "3_shot", "mcnemar"):
+                shown[k] = v
+        print(key, shown, flush=True)
 
 
 if __name__ == "__main__":
