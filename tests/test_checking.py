@@ -599,17 +599,22 @@ def test_code_in_backticks_is_not_split_by_the_wrapping(monkeypatch, capsys):
 
 
 def test_ctrl_c_while_the_readers_function_runs_stops_it_and_the_cell(capsys):
-    stopped = threading.Event()
+    started, stopped = threading.Event(), threading.Event()
 
     def slow(x):
+        started.set()
         try:
             while True:
                 time.sleep(0.01)
         finally:
             stopped.set()
 
-    timer = threading.Timer(0.3, signal.pthread_kill, args=(threading.main_thread().ident, signal.SIGINT))
-    timer.start()
+    def ctrl_c():  # once the reader's function runs: a fixed delay raced the checker's setup on a loaded machine
+        if started.wait(60):
+            time.sleep(0.1)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         run_checks("Exercise 0.33", _square_checks(slow))
     assert stopped.wait(5), "the reader's function was stopped too"

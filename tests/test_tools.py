@@ -264,6 +264,10 @@ def test_nbval_lanes_keep_the_chapter7_models_notebooks_together_and_in_order(tm
     assert [p.name for p in rest] == ["01_a.ipynb", "10_d.ipynb"]
     real_first, real_rest = nbval_lanes.lanes(sorted((ROOT / "notebooks").glob("*.ipynb")))
     assert "07_training.ipynb" in [p.name for p in real_first] and real_rest
+    for group in (real_first, real_rest):  # longest first, so that no long notebook starts last
+        seconds = [nbval_lanes.EXPECTED_SECONDS[p.name] for p in group]
+        assert seconds == sorted(seconds, reverse=True), [p.name for p in group]
+    assert set(nbval_lanes.EXPECTED_SECONDS) == {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}
 
 
 def test_nbval_lanes_report_the_first_failing_job(tmp_path, monkeypatch, capsys):

@@ -13,8 +13,8 @@ two lanes, each lane taking the first job it may start whenever it is free:
 
 1. the chapter 7 model (one thread; a second or two when it is cached already);
 2. the unit tests (``--unit``), one pytest process on the other core;
-3. each notebook that does not need the model, one pytest process each (name order);
-4. each notebook that needs it, once job 1 has succeeded (name order).
+3. each notebook that does not need the model, one pytest process each (longest first: ``EXPECTED_SECONDS``);
+4. each notebook that needs it, once job 1 has succeeded (longest first).
 
 On a fresh machine lane 1 trains while lane 2 runs the unit tests, and then both share the notebooks: neither core
 idles while the other works through a list fixed in advance. If the model cannot be trained, its notebooks are not
@@ -151,8 +151,20 @@ def notebook_env(environ=None, **extra: str) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in UNSET}
 
 
+#: Seconds each notebook took under nbval in a fresh-clone ``make test`` (2026-11-29, AMD EPYC, two lanes). Only
+#: their order matters: each lane takes the longest job it may start first, so that no long notebook starts last
+#: while the other lane idles (the run measured 838 s with name order, the last job chapter 12's 173 s).
+EXPECTED_SECONDS = {"12_pretrained.ipynb": 173, "09_masked_language_models.ipynb": 127,
+                    "11_scaling_out.ipynb": 107, "10_encoder_decoder.ipynb": 96, "13_fine_tuning.ipynb": 85,
+                    "07_training.ipynb": 84, "08_generation.ipynb": 64, "06_transformer_block.ipynb": 58,
+                    "03_embeddings.ipynb": 33, "14_inside_the_transformer.ipynb": 32, "02_tokenization.ipynb": 23,
+                    "05_attention.ipynb": 22, "04_positional_encoding.ipynb": 15, "01_language_models.ipynb": 13}
+
+
 def lanes(notebooks: list[Path]) -> tuple[list[Path], list[Path]]:
-    """(the chapter 7 model's notebooks, the others), each in name order; the first of the former trains it."""
+    """(the chapter 7 model's notebooks, the others), each longest first by ``EXPECTED_SECONDS`` (then name order,
+    which is the order of notebooks not in the table); the first of the former trains it."""
+    notebooks = sorted(notebooks, key=lambda p: (-EXPECTED_SECONDS.get(p.name, 0), p.name))
     first = [p for p in notebooks if MARKER in p.read_text(encoding="utf-8")]
     return first, [p for p in notebooks if p not in first]
 
