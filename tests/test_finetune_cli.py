@@ -64,6 +64,21 @@ QUICK = ("--steps", 6, "--batch-size", 4, "--n-eval", 4, "--eval-interval", 6, "
          "--warmup", 2, "--context", 160)
 
 
+def _ctrl_c_at_step(monkeypatch, step: int):
+    """Ctrl-C (a real SIGINT) as the training loop asks for step ``step``'s batch; returns the real batch function."""
+    real = instructions.instruction_batches
+    calls = {"n": 0}
+
+    def interrupting(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == step:
+            signal.raise_signal(signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(instructions, "instruction_batches", interrupting)
+    return real
+
+
 def test_help_documents_every_option_with_its_default(capsys):
     with pytest.raises(SystemExit) as exit_:
         finetune("--help")
@@ -149,16 +164,7 @@ def test_a_run_that_stops_before_its_first_checkpoint_leaves_no_folder(tmp_path,
 def test_no_lock_stays_after_a_run_and_a_dead_runs_lock_does_not_block_resume(tmp_path, capsys, base, task_file,
                                                                              monkeypatch):
     out = tmp_path / "ft"
-    real = instructions.instruction_batches
-    calls = {"n": 0}
-
-    def interrupting(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            signal.raise_signal(signal.SIGINT)  # Ctrl-C during step 3
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(instructions, "instruction_batches", interrupting)
+    real = _ctrl_c_at_step(monkeypatch, 3)
     assert finetune("--out", out, "--data", task_file, *QUICK) == 130
     assert sorted(p.name for p in out.iterdir()) == [CHECKPOINT_NAME, "history.json"], "the checkpoint, no lock"
     monkeypatch.setattr(instructions, "instruction_batches", real)
@@ -236,16 +242,7 @@ def test_a_tiny_run_writes_adapters_only_and_resume_after_ctrl_c_ends_as_the_uni
     said = capsys.readouterr().out
     assert "rank-8 adapters on W_q W_v" in said and "held-out exact match" in said
 
-    calls = {"n": 0}
-    real = instructions.instruction_batches
-
-    def interrupting(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            signal.raise_signal(signal.SIGINT)  # Ctrl-C during step 4
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(instructions, "instruction_batches", interrupting)
+    real = _ctrl_c_at_step(monkeypatch, 4)
     assert finetune("--out", cut, "--data", task_file, *QUICK) == 130
     assert f"after step 4; checkpoint saved in {cut}; continue with: groundup finetune --out {cut} --resume" in \
         capsys.readouterr().err
