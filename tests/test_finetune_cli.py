@@ -8,13 +8,13 @@ import argparse
 import dataclasses
 import json
 import math
-import signal
 import sys
 from importlib import resources
 from pathlib import Path
 
 import pytest
 import torch
+from ctrl_c import ctrl_c_on_call
 from tiny_chat_base import tiny_base
 
 import groundup.instructions as instructions
@@ -65,18 +65,8 @@ QUICK = ("--steps", 6, "--batch-size", 4, "--n-eval", 4, "--eval-interval", 6, "
 
 
 def _ctrl_c_at_step(monkeypatch, step: int):
-    """Ctrl-C (a real SIGINT) as the training loop asks for step ``step``'s batch; returns the real batch function."""
-    real = instructions.instruction_batches
-    calls = {"n": 0}
-
-    def interrupting(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == step:
-            signal.raise_signal(signal.SIGINT)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(instructions, "instruction_batches", interrupting)
-    return real
+    """Ctrl-C as the training loop asks for step ``step``'s batch; returns the real batch function."""
+    return ctrl_c_on_call(monkeypatch, instructions, "instruction_batches", step)
 
 
 def test_help_documents_every_option_with_its_default(capsys):

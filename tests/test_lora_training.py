@@ -1,9 +1,9 @@
 """Training a model with LoRA adapters: adapters-only checkpoints, exact resumption, the base they belong to."""
 
-import signal
 
 import pytest
 import torch
+from ctrl_c import ctrl_c_on_call
 
 import groundup.training as training
 from groundup.lora import attach_lora, base_fingerprint, count_parameters, lora_layers
@@ -45,16 +45,7 @@ def adapter_params(model):
 
 def interrupt_at(monkeypatch, call: int) -> None:
     """Ctrl-C during step ``call`` of the next run (train saves a checkpoint at the end of that step)."""
-    calls = {"n": 0}
-    real = training.get_batch
-
-    def interrupting(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == call:
-            signal.raise_signal(signal.SIGINT)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(training, "get_batch", interrupting)
+    ctrl_c_on_call(monkeypatch, training, "get_batch", call)
 
 
 def test_an_interrupted_lora_run_resumed_from_its_adapters_only_checkpoint_ends_bit_for_bit_the_same(

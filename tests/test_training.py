@@ -8,6 +8,7 @@ import signal
 import pytest
 import torch
 import torch.nn.functional as F
+from ctrl_c import ctrl_c_on_call
 
 import groundup.training as training
 from groundup.models import GPT, GPTConfig
@@ -286,16 +287,7 @@ def test_resume_after_a_crash_ends_bit_for_bit_like_an_uninterrupted_run(tmp_pat
 
 
 def test_ctrl_c_saves_a_checkpoint_at_the_end_of_the_step(tmp_path, monkeypatch):
-    calls = {"n": 0}
-    real_get_batch = training.get_batch
-
-    def interrupting_get_batch(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 7:
-            signal.raise_signal(signal.SIGINT)  # as if the reader pressed Ctrl-C during step 7
-        return real_get_batch(*args, **kwargs)
-
-    monkeypatch.setattr(training, "get_batch", interrupting_get_batch)
+    ctrl_c_on_call(monkeypatch, training, "get_batch", 7)  # as if the reader pressed Ctrl-C during step 7
     with pytest.raises(KeyboardInterrupt, match="after step 7"):
         train(tiny_model(), pattern_data(), pattern_data(), config(out_dir=tmp_path))
     assert load_checkpoint(tmp_path)[1]["step"] == 7
