@@ -162,6 +162,52 @@ def test_a_fine_tune_entry_records_what_its_adapters_do(tmp_path, tiny, mask_pro
     assert entry["val_token_loss"]["all_tokens"] > n
 
 
+def test_the_answer_weighted_loss_is_the_masked_mean_plus_the_prompts_share():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    targets = torch.tensor([[1, 2, 3, 4, -100], [5, 6, 0, -100, -100]])
+    answer = torch.tensor([[False, False, True, True, False], [False, True, True, True, False]])  # one on a -100
+    losses = -torch.log_softmax(logits, -1)
+    terms = {(b, t): losses[b, t, targets[b, t]].item() for b in range(2) for t in range(5) if targets[b, t] >= 0}
+    answers = [(0, 2), (0, 3), (1, 1), (1, 2)]
+    prompt = [k for k in terms if k not in answers]
+    expected = sum(terms[k] for k in prompt) / len(terms) + sum(terms[k] for k in answers) / len(answers)
+    found = ch13_results.answer_weighted_loss(logits, targets, answer)
+    assert found.item() == pytest.approx(expected, rel=1e-6)
+    # with no prompt targets it is the masked mean; the answer's share of the plain mean is N_a / N
+    only = torch.where(answer, targets, torch.full_like(targets, -100))
+    assert found.item() > F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    assert ch13_results.answer_weighted_loss(logits, only, answer).item() == pytest.approx(
+        F.cross_entropy(logits.flatten(0, 1), only.flatten()).item(), rel=1e-6)
+
+
+def test_weighted_batches_draw_the_same_examples_and_mark_the_answer(tiny):
+    _, tokenizer = tiny_base()
+    pairs = date_instructions("train", 6, seed=finetuning.DATA_SEED)
+    plain = encode_instructions(tokenizer, pairs, context_length=256, mask_prompt=False)
+    masked = encode_instructions(tokenizer, pairs, context_length=256, mask_prompt=True)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    (ids, answer), targets = ch13_results.weighted_batches((plain, masked), 4, 256, g1)
+    (ids_, ), targets_ = ch13_results.instruction_batches(plain, 4, 256, g2)
+    assert torch.equal(ids, ids_) and torch.equal(targets, targets_)
+    assert torch.equal(g1.get_state(), g2.get_state())  # the run's random stream advances as without the control
+    assert torch.equal(targets[answer], targets[answer]) and bool((targets[answer] >= 0).all())
+    assert 0 < int(answer.sum()) < int((targets >= 0).sum())
+
+
+def test_the_weighted_control_and_the_answer_curve(tmp_path, tiny):
+    entry = ch13_results.run_finetune(0, mask_prompt=False, n_eval=3, settings=TINY, weighted=True)
+    assert entry["loss"] == "answer_weighted_loss" and "weighted" in entry["val_loss_counts"]
+    masked = ch13_results.run_finetune(0, n_eval=3, settings=TINY)
+    assert masked["answer_val_step"] == [0, 3] and masked["answer_val_loss"][1:] == masked["val_loss"]
+    assert entry["answer_val_loss"][0] == masked["answer_val_loss"][0]  # the same base, B = 0
+    assert entry["val_loss"][0] > entry["answer_val_loss"][1]  # its own loss adds the prompt's share
+    general = masked["general_text_loss"]
+    assert general["before"] == entry["general_text_loss"]["before"] and general["after"] != general["before"]
+    with pytest.raises(ValueError, match="mask_prompt=False"):
+        ch13_results.run_finetune(0, n_eval=3, settings=TINY, weighted=True)
+
+
 def test_the_base_entry_scores_zero_and_three_shots(tiny):
     entry = ch13_results.run_base(2)
     model, tokenizer = tiny_base()

@@ -385,3 +385,20 @@ def test_bad_fine_tuning_arguments_are_refused():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no parameters that require gradients"):
         fine_tune(head, ids, labels, steps=1, batch_size=4)
+
+
+def test_fine_tune_calls_back_after_every_step_without_changing_the_run():
+    ids, labels = toy_task(32, 0)
+    plain = classifier_for(tiny_gpt(), 2, "lora", lora_rank=2, lora_targets=("W_q",))
+    fine_tune(plain, ids, labels, steps=6, batch_size=8, lr=1e-2, warmup=2)
+    seen = []
+
+    def look(step, head):
+        seen.append((step, head.training, head.linear.weight.detach().clone()))
+        head.eval()  # a callback that evaluates: training goes on in train mode
+
+    watched = classifier_for(tiny_gpt(), 2, "lora", lora_rank=2, lora_targets=("W_q",))
+    fine_tune(watched, ids, labels, steps=6, batch_size=8, lr=1e-2, warmup=2, callback=look)
+    assert [s for s, _, _ in seen] == list(range(1, 7)) and all(training for _, training, _ in seen)
+    assert torch.equal(seen[-1][2], watched.linear.weight) and not torch.equal(seen[0][2], seen[-1][2])
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), watched.state_dict().values()))

@@ -495,3 +495,71 @@ def test_bench_section_steps(smollm2, hf_model, monkeypatch):
     for prefill, decode in (bench.prefill_decode_ours(model, idx), bench.prefill_decode_transformers(hf_model, idx)):
         assert prefill > 0 and decode > 0
     assert torch.equal(bench.generate_ours(model, idx), bench.generate_transformers(hf_model, idx))
+
+
+# ---- the bridge to peft (chapter 13): the same adapters on transformers' model of the same file ----------------
+
+def _hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a W_Q-shaped matrix from the file's order (llama.cpp's interleaved pairs) to transformers' order:
+    row ``2i + j`` of a head becomes row ``i + j d_head/2``."""
+    return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@pytest.fixture(scope="module")
+def adapted_pair(smollm2, hf_model):
+    """(ours, theirs): rank-8 adapters on W_q and W_v of the book's SmolLM2 and, through peft's get_peft_model, on
+    q_proj and v_proj of transformers' model of the same file; B randomised, and ours copied into theirs."""
+    peft = pytest.importorskip("peft")
+    from groundup.lora import attach_lora, lora_layers
+
+    ours = copy.deepcopy(smollm2[0])
+    torch.manual_seed(0)
+    attach_lora(ours, ["W_q", "W_v"], r=8, alpha=16)
+    config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    theirs = peft.get_peft_model(copy.deepcopy(hf_model), config)
+    n_heads = ours.config.n_heads
+    with torch.no_grad():
+        for name, layer in lora_layers(ours).items():
+            layer.B.normal_(std=0.02)
+            block, kind = int(name.split(".")[1]), name.rsplit(".", 1)[-1]
+            attention = theirs.base_model.model.model.layers[block].self_attn
+            target = attention.q_proj if kind == "W_q" else attention.v_proj
+            target.lora_A["default"].weight.copy_(layer.A)
+            target.lora_B["default"].weight.copy_(_hf_rows(layer.B, n_heads) if kind == "W_q" else layer.B)
+    return ours.eval(), theirs.eval()
+
+
+def test_peft_counts_the_same_trainable_parameters(adapted_pair):
+    from groundup.lora import count_parameters
+
+    ours, theirs = adapted_pair
+    trainable, _ = theirs.get_nb_trainable_parameters()
+    assert trainable == count_parameters(ours, trainable_only=True) == 460_800
+
+
+def test_peft_logits_equal_ours_with_the_adapters_copied(adapted_pair, smollm2):
+    ours, theirs = adapted_pair
+    model, tok = smollm2
+    ids = torch.tensor([encode_chat(tok, [{"role": "user", "content": "Write 3 March 2021 as an ISO date."}])])
+    with torch.no_grad():
+        mine, peft_logits, base = ours(ids)[0], theirs(ids).logits, model(ids)[0]
+    assert (mine - base).abs().max() > 0.05  # the adapters change the model ...
+    torch.testing.assert_close(mine, peft_logits, rtol=0, atol=LOGITS_ATOL)  # ... and change both alike
+
+
+def test_peft_merge_and_unload_equals_our_merge(adapted_pair, smollm2):
+    from groundup.lora import merge_lora
+
+    ours, theirs = copy.deepcopy(adapted_pair[0]), copy.deepcopy(adapted_pair[1])
+    merge_lora(ours)
+    merged = theirs.merge_and_unload()
+    model, tok = smollm2
+    n_heads = model.config.n_heads
+    for i, block in enumerate(ours.blocks):
+        attention = merged.model.layers[i].self_attn
+        torch.testing.assert_close(_hf_rows(block.attention.W_q.weight, n_heads), attention.q_proj.weight,
+                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(block.attention.W_v.weight, attention.v_proj.weight, rtol=0, atol=1e-6)
+    ids = torch.tensor([encode_chat(tok, [{"role": "user", "content": "What is 7 times 6?"}])])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids)[0], merged(ids).logits, rtol=0, atol=LOGITS_ATOL)

@@ -13,6 +13,7 @@
     env $E python tools/ch13_classification.py $W --n-train 128 --steps 60 --body mlm-bert --method probe
     env $E python tools/ch13_classification.py $W --n-train 128 --subset-seed 1 --steps 60 --method full --seed 0
     env $E python tools/ch13_classification.py --entry converged-probe --body gpt # which-play, converged probe
+    env $E python tools/ch13_classification.py $W --entry tuned --method full     # lr and steps by held-out scenes
 
 The arithmetic settings are those chapter 7's stored model was trained under (``chapter7_model()`` trains it afresh
 under any other). The task is :func:`groundup.classification.play_passages` with ``TASK``: 64-character passages
@@ -50,6 +51,18 @@ passage (:func:`groundup.classification.lm_scores`). ``--task word-order --entry
 of ``WORD_ORDER_RANKS`` (alpha fixed at ``LORA["alpha"]``, so the scale alpha/r falls as r grows) on
 ``RANK_SWEEP``'s labels and steps, seeds 0-2 (keys ``word-order/lora-rank/n<N>/r<r>/seed<s>``; rank 8 is the stored
 ``word-order/gpt/lora/...`` run), and stores their summary ``word-order/lora-rank/n<N>/summary``.
+
+``--task word-order --entry tuned --method M`` (M = ``full`` or ``lora``; about 12 minutes each): the learning rate
+and the number of steps chosen on held-out scenes, as the probe's l2 is. The 128 labels of ``RANK_SWEEP`` are cut
+into the probe's 4 folds of whole scenes (:func:`groundup.classification.scene_folds`, seed 0); for every learning
+rate of ``TUNED["lr_grid"][M]`` the method is trained on three folds for ``TUNED["max_steps"]`` steps (fine-tuning
+seed 0) and its accuracy on the fourth read every ``TUNED["every"]`` steps; the (learning rate, step) with the most
+held-out passages right, pooled over the folds (ties: fewer steps, then the smaller rate), is the choice. Each seed
+of ``TUNED["seeds"]`` then trains on all 128 labels with that rate and the same ``max_steps`` schedule and stops at
+that step (early stopping at the chosen step). Keys ``word-order-tuned/gpt/<M>/n128``; each stores the held-out
+table, the choice, and per seed the test accuracy with its 95 % Wilson interval and which of the 1,795 test
+passages it got right (``correct``, a string of 0 and 1), as does ``word-order-tuned/gpt/probe/n128`` for the probe
+(fitted as in ``word-order/gpt/probe/n128/seed*``), so any two can be compared passage by passage (McNemar).
 
 ``--entry converged-probe`` (which-play): the diagnostic that made us change task. The probe of the which-play
 entries is trained by 150 AdamW steps; this one is the word-order probe (a logistic regression on the frozen
@@ -90,6 +103,8 @@ from groundup.classification import (
     majority_accuracy,
     ngram_baseline,
     play_passages,
+    predict,
+    scene_folds,
     word_order_task,
 )
 from groundup.data import load_corpus, train_val_split
@@ -120,6 +135,9 @@ LM_SCORE_L2 = 1e-3  # the one-feature LM-score baseline's l2 (standardised featu
 WORD_ORDER_PLAN = ((128, 60, (0, 1, 2)), (None, 150, (0,)), (None, 150, (1, 2)))  # (n_train, steps, seeds), in order
 WORD_ORDER_RANKS = (1, 2, 4, 8, 16, 32, 64)  # --task word-order --entry rank
 RANK_SWEEP = dict(n_train=128, steps=60)  # its defaults: the 128-label runs of WORD_ORDER_PLAN
+TUNED = dict(n_train=128, max_steps=120, every=10, folds=4, fold_seed=0, seeds=(0, 1, 2),
+             lr_grid={"full": (1e-4, 3e-4, 1e-3), "lora": (7e-4, 2e-3, 6e-3)})
+"""--entry tuned: each grid spans a factor of 10 around the method's ``LR``."""
 
 
 def sig(x: float, digits: int = 5) -> float:
@@ -456,6 +474,90 @@ def word_order_classify(body: str, method: str, seed: int, n_train: int | None, 
           flush=True)
 
 
+class _StopTraining(Exception):
+    """Raised by the early-stopping callback at the chosen step."""
+
+
+def correct_string(head, ids: torch.Tensor, labels: torch.Tensor) -> str:
+    """Which rows of ``ids`` ``head`` classifies right, as a string of 0 and 1 (row order)."""
+    return "".join("1" if c else "0" for c in (predict(head, ids) == labels).tolist())
+
+
+def test_record(correct: str) -> dict:
+    from groundup.significance import wilson_interval
+
+    right, n = correct.count("1"), len(correct)
+    return {"test_accuracy": sig(right / n), "correct_count": right, "n_test": n,
+            "interval": [round(v, 5) for v in wilson_interval(right, n)], "correct": correct}
+
+
+def run_tuned(method: str) -> dict:
+    """``--entry tuned``: ``method``'s learning rate and steps chosen on held-out scenes, then its seeds."""
+    import copy
+
+    start = time.perf_counter()
+    body, tokenizer, *_ = load_body("gpt", 0)
+    train, test = task("word-order")
+    train = training_set(train, TUNED["n_train"])
+    ids, _, labels = encode_passages(train, tokenizer)
+    test_ids, _, test_labels = encode_passages(test, tokenizer)
+    n_classes = len(train.classes)
+    if method == "probe":
+        seeds = {}
+        for seed in TUNED["seeds"]:
+            head = classifier_for(copy.deepcopy(body), n_classes, "probe", seed=seed)
+            probe = fit_probe(head, ids, labels, train.sections, seed=seed, **PROBE)
+            seeds[str(seed)] = {"l2": probe["l2"], **test_record(correct_string(head, test_ids, test_labels))}
+        return {"method": method, "n_train": len(train), "probe": PROBE, "seeds": seeds,
+                "wall_seconds": round(time.perf_counter() - start, 1)}
+    fold = torch.tensor(scene_folds(train.sections, TUNED["folds"], seed=TUNED["fold_seed"]))
+    checkpoints = list(range(TUNED["every"], TUNED["max_steps"] + 1, TUNED["every"]))
+    batch = min(FINETUNE["batch_size"], int((fold != 0).sum()))
+    settings = dict(batch_size=batch, warmup=FINETUNE["warmup"], weight_decay=FINETUNE["weight_decay"])
+    lora = dict(lora_rank=LORA["r"], lora_alpha=LORA["alpha"], lora_targets=LORA["targets"])
+    table = {}
+    for lr in TUNED["lr_grid"][method]:
+        right = [0] * len(checkpoints)
+        for f in range(TUNED["folds"]):
+            held, kept = fold == f, fold != f
+
+            def read(step, head, held=held, right=right):
+                if step % TUNED["every"] == 0:
+                    right[step // TUNED["every"] - 1] += int((predict(head, ids[held]) == labels[held]).sum())
+
+            head = classifier_for(copy.deepcopy(body), n_classes, method, seed=0, **lora)
+            fine_tune(head, ids[kept], labels[kept], steps=TUNED["max_steps"], lr=lr, seed=0, callback=read,
+                      **settings)
+        table[str(lr)] = [sig(r / len(ids)) for r in right]
+        print(f"tuned {method} lr {lr}: held-out accuracy by step {table[str(lr)]}", flush=True)
+    best = max(((a, -checkpoints[i], -lr) for lr in TUNED["lr_grid"][method]
+                for i, a in enumerate(table[str(lr)])))
+    chosen_lr, chosen_step = -best[2], -best[1]
+    seeds = {}
+    for seed in TUNED["seeds"]:
+        head = classifier_for(copy.deepcopy(body), n_classes, method, seed=seed, **lora)
+
+        def stop(step, head):
+            if step == chosen_step:
+                raise _StopTraining
+
+        try:
+            fine_tune(head, ids, labels, steps=TUNED["max_steps"], lr=chosen_lr, seed=seed, callback=stop,
+                      **dict(settings, batch_size=min(FINETUNE["batch_size"], len(ids))))
+        except _StopTraining:
+            pass
+        seeds[str(seed)] = test_record(correct_string(head, test_ids, test_labels))
+        print(f"tuned {method} seed {seed}: {seeds[str(seed)]['test_accuracy']}", flush=True)
+    return {"method": method, "n_train": len(train), "tuned": {k: (list(v) if isinstance(v, tuple) else v)
+                                                                 for k, v in TUNED.items() if k != "lr_grid"},
+            "lr_grid": list(TUNED["lr_grid"][method]), "steps_read": checkpoints, "held_out_accuracy": table,
+            "chosen": {"lr": chosen_lr, "steps": chosen_step, "held_out_accuracy": best[0]},
+            "finetune": {**settings, "optimizer": "AdamW", "schedule": f"warm-up then cosine over {TUNED['max_steps']}"
+                         " steps, stopped at the chosen step"},
+            "lora": LORA if method == "lora" else None, "seeds": seeds,
+            "wall_seconds": round(time.perf_counter() - start, 1)}
+
+
 def rank_key(r: int, seed: int, n_train: int) -> str:
     return f"word-order/lora-rank/n{n_train}/r{r}/seed{seed}"
 
@@ -540,6 +642,15 @@ def main_word_order(a) -> None:
         n_train, steps = a.n_train or RANK_SWEEP["n_train"], a.steps or RANK_SWEEP["steps"]
         ranks = [] if a.entry == "rank-summary" else a.rank or WORD_ORDER_RANKS
         word_order_rank(ranks, a.seed or [0, 1, 2], n_train, steps, a.skip_stored)
+    elif a.entry == "tuned":
+        for method in a.method or ("probe", "full", "lora"):
+            if method == "scratch":
+                raise SystemExit("--entry tuned: --method must be probe, full or lora")
+            key = f"word-order-tuned/gpt/{method}/n{TUNED['n_train']}"
+            entry = run_tuned(method)
+            store(key, {"command": command(f"--task word-order --entry tuned --method {method}"), **entry,
+                        **environment()})
+            print(key, {s: r["test_accuracy"] for s, r in entry["seeds"].items()}, entry.get("chosen"), flush=True)
     elif a.entry == "all":  # --skip-stored: go on where an interrupted run stopped
         stored = json.loads(OUT.read_text())["runs"] if a.skip_stored and OUT.is_file() else {}
         for n_train in dict.fromkeys(n for n, _, _ in WORD_ORDER_PLAN):
@@ -555,7 +666,7 @@ def main_word_order(a) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--entry", choices=("classify", "baselines", "rank", "rank-summary", "summary", "all",
-                                       "converged-probe"), default="classify")
+                                       "converged-probe", "tuned"), default="classify")
     p.add_argument("--body", choices=BODIES, default="gpt")
     p.add_argument("--method", choices=METHODS, action="append")
     p.add_argument("--seed", type=int, action="append", help="seeds (default 0 1 2; rank: 0)")
@@ -588,8 +699,8 @@ def main(argv=None) -> None:
             except ValueError as err:
                 p.error(f"--n-train {a.n_train}: {err}")
         return main_word_order(a)
-    if a.entry == "rank-summary":
-        p.error("--entry rank-summary is for --task word-order")
+    if a.entry in ("rank-summary", "tuned"):
+        p.error(f"--entry {a.entry} is for --task word-order")
     if a.entry == "converged-probe":
         for seed in a.seed or [0]:
             converged_probe(a.body, seed)

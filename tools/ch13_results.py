@@ -4,6 +4,7 @@
     OMP_NUM_THREADS=1 python tools/ch13_results.py --entry base                   # zero-shot and 3-shot only
     OMP_NUM_THREADS=1 python tools/ch13_results.py --entry lora --seed 1          # one masked fine-tune
     OMP_NUM_THREADS=1 python tools/ch13_results.py --entry lora-nomask --seed 0   # the fine-tune without the mask
+    OMP_NUM_THREADS=1 python tools/ch13_results.py --entry lora-weighted --seed 0  # ... the answer weighted as masked
     OMP_NUM_THREADS=1 python tools/ch13_results.py --entry base-eval --n-eval 1000   # every prediction, base model
     OMP_NUM_THREADS=1 python tools/ch13_results.py --entry lora --seed 0 --n-test 1000   # ... and of a fine-tune
 
@@ -18,6 +19,11 @@ SmolLM2-135M-Instruct, scored on the first ``--n-eval`` held-out test dates (50 
   the loss on the answer tokens only; seeds 0, 1 and 2 by default.
 - ``lora-nomask``: the same fine-tune with ``--no-mask``: the prompt's tokens (system message, chat template and
   instruction) are targets too.
+- ``lora-weighted``: the control of the two: the prompt's tokens are targets as with ``--no-mask``, but the answer's
+  tokens keep the total weight the masked loss gives them (:func:`answer_weighted_loss`). Averaged over all
+  tokens the answer's targets get only about an eighth of the weight the masked loss gives them; this run tells
+  "the prompt is trained too" apart from "the answer is trained less". Not a ``groundup finetune`` flag: the
+  run is ``--no-mask``'s, with the loss replaced while it trains.
 
 - ``base-eval``: the base model zero-shot and with :func:`groundup.instructions.format_shots` (one training date in
   each of the task's 11 input formats, a weekday among them) on the first ``--n-eval`` held-out dates, answered
@@ -30,6 +36,13 @@ SmolLM2-135M-Instruct, scored on the first ``--n-eval`` held-out test dates (50 
 
 ``--n-test N`` adds the same held-out record (``held_out``: scores, errors and every reply, batched answers on the
 first N test dates) to a ``lora`` or ``lora-nomask`` entry, whose key then ends in ``/test{N}``.
+
+Every fine-tune also records ``answer_val_loss``: at step 0 and at every evaluation, the mean loss on the answer
+tokens of the same ``eval_batches`` fixed validation batches that a masked run's ``val_loss`` averages (for
+``lora`` the two curves are equal after step 0), so every run is drawn on one axis.
+
+Every fine-tune also measures forgetting: ``general_text_loss`` holds the loss on :data:`GENERAL`'s text before
+and after tuning (:func:`general_text_loss`).
 
 Every entry but ``base-eval`` also measures two losses of its model on the first ``--n-eval`` validation dates, each
 the mean next-token cross-entropy in nats per target token, pooled over the examples: ``answer`` over the answer's
@@ -68,10 +81,10 @@ from groundup.instructions import (
     score_predictions,
 )
 from groundup.significance import mcnemar_test
-from groundup.training import train
+from groundup.training import evaluate, train
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter13.json"
-ENTRIES = ("base", "lora", "lora-nomask", "base-eval")
+ENTRIES = ("base", "lora", "lora-nomask", "base-eval", "lora-weighted")
 FINETUNE = dict(steps=40, batch_size=8, rank=8, alpha=16.0, targets=["W_q", "W_v"], lr=2e-3, warmup=4, context=128,
                 n_train=1000, eval_interval=10, eval_batches=4)
 """The fine-tunes' settings (``groundup finetune`` flags): 40 steps take about 1.5 minutes with two threads on two
@@ -117,6 +130,88 @@ def paired(a_name: str, a, b_name: str, b) -> dict:
     test = mcnemar_test([p.correct for p in a], [p.correct for p in b])
     return {"a": a_name, "b": b_name, "a_only": test.a_only, "b_only": test.b_only, "both": test.both,
             "neither": test.neither, "p_value": test.p_value}
+
+
+def answer_weighted_loss(logits: torch.Tensor, targets: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """The control's loss: every target counted, the answer's with the total weight the masked loss gives them.
+
+    With ``N`` counted targets (``targets != -100``) of which ``N_a`` are the answer's (``answer``, a bool tensor
+    of ``targets``' shape), the loss is ``(1/N) sum_prompt l + (1/N_a) sum_answer l``: the prompt's targets as in the
+    unmasked mean, the answer's as in the masked one. Per-token cross-entropy ``l`` in float32."""
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="none")
+    counted = targets.flatten() != IGNORE_INDEX
+    answer = answer.flatten() & counted
+    return losses[counted & ~answer].sum() / counted.sum() + losses[answer].sum() / answer.sum()
+
+
+def weighted_batches(data, batch_size: int, context_length: int, generator: torch.Generator):
+    """``((ids, answer), targets)``: :func:`instruction_batches` of ``data = (unmasked, masked)`` drawing the same
+    examples from both (one ``randint`` call each, from the same generator state); ``answer`` marks the targets the
+    masked labels keep."""
+    unmasked, masked = data
+    state = generator.get_state()
+    inputs, targets = instruction_batches(unmasked, batch_size, context_length, generator)
+    _, masked_targets = instruction_batches(masked, batch_size, context_length, torch.Generator().set_state(state))
+    return (*inputs, masked_targets != IGNORE_INDEX), targets
+
+
+class answer_weighted:
+    """Within ``with answer_weighted(model):``, ``model(ids, answer, targets)`` returns the logits and
+    :func:`answer_weighted_loss`; every other call is the model's own forward."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        plain = self.model.forward
+
+        def forward(idx, *args, **kwargs):
+            if len(args) == 2 and not kwargs:
+                answer, targets = args
+                logits, _ = plain(idx)
+                return logits, answer_weighted_loss(logits, targets, answer)
+            return plain(idx, *args, **kwargs)
+
+        self.model.forward = forward
+        return self.model
+
+    def __exit__(self, *exc):
+        del self.model.forward  # the class's forward again
+        return False
+
+
+def answer_curve_loss(model, masked_val, config) -> float:
+    """The answer-token loss on the fixed validation batches a masked run's ``val_loss`` averages."""
+    n_c = config.context_length or model.config.context_length
+    return evaluate(model, masked_val, batch_size=config.batch_size, context_length=n_c,
+                    max_batches=config.eval_batches, batches=instruction_batches)
+
+
+GENERAL = dict(corpus="shakespeare", start="middle", tokens=4096, window=512)
+"""The general text forgetting is measured on: ``tokens`` tokens of the Shakespeare corpus from its middle
+character on (a scene of Macbeth), cut into windows of ``window`` tokens (or the model's context, if shorter)."""
+
+
+def general_text_loss(model, tokenizer) -> float:
+    """Mean next-token loss (nats per token) of ``model`` on :data:`GENERAL`'s text: what tuning may forget."""
+    from groundup.data import load_corpus
+
+    text = load_corpus(GENERAL["corpus"])
+    ids = torch.tensor(tokenizer.encode_ordinary(text[len(text) // 2:len(text) // 2 + 8 * GENERAL["tokens"]]))
+    ids = ids[:GENERAL["tokens"] + 1]
+    window = min(GENERAL["window"], model.config.context_length)
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, GENERAL["tokens"], window):
+            x = ids[start:start + window + 1]
+            logits = model(x[None, :-1])[0][0]
+            total += F.cross_entropy(logits.double(), x[1:], reduction="sum").item()
+            count += len(x) - 1
+    model.train(was_training)
+    return round(total / count, 5)
 
 
 def finetune_args(out, seed: int, n_eval: int, mask_prompt: bool, settings: dict = FINETUNE) -> list[str]:
@@ -193,13 +288,17 @@ def run_base_eval(n_eval: int, *, batch_size: int = BATCH_SIZE) -> dict:
 
 
 def run_finetune(seed: int, *, mask_prompt: bool = True, n_eval: int = 50, out=None,
-                 settings: dict = FINETUNE, n_test: int | None = None, batch_size: int = BATCH_SIZE) -> dict:
+                 settings: dict = FINETUNE, n_test: int | None = None, batch_size: int = BATCH_SIZE,
+                 weighted: bool = False) -> dict:
     """One fine-tune as ``groundup finetune`` runs it, then its exact match on the test dates and its losses.
 
     The run is built by :mod:`groundup.finetuning` itself (its parser and ``_prepare``), trained by
     :func:`groundup.training.train` with :func:`instruction_batches`, and its adapters-only checkpoint is left in
     ``out`` (a temporary folder when None). With ``n_test`` the entry also holds ``held_out``: the first
-    ``n_test`` held-out dates answered in batches and scored, every reply kept (:func:`held_out_record`)."""
+    ``n_test`` held-out dates answered in batches and scored, every reply kept (:func:`held_out_record`).
+    ``weighted`` (with ``mask_prompt=False``) trains with :func:`answer_weighted_loss` instead of the plain mean."""
+    if weighted and mask_prompt:
+        raise ValueError("weighted=True is the control of the unmasked run: give mask_prompt=False")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(out) if out is not None else Path(tmp) / "ft"
@@ -208,21 +307,38 @@ def run_finetune(seed: int, *, mask_prompt: bool = True, n_eval: int = 50, out=N
         finetuning.add_finetune_parser(parser.add_subparsers(dest="command"))
         args = parser.parse_args(["finetune", *argv])
         model, tokenizer, run, config, (train_data, val_data), test, _ = finetuning._prepare(args, folder)
-        history = train(model, train_data, val_data, config, extra={"finetune": run}, batches=instruction_batches)
+        masked_run = dict(run, mask_prompt=True)
+        train_pairs, val_pairs = finetuning._task_pairs(run)[:2]
+        masked_train, masked_val = finetuning._encode(tokenizer, masked_run, train_pairs, val_pairs)
+        general_before = general_text_loss(model, tokenizer)
+        curve = [answer_curve_loss(model, masked_val, config)]
+        record = lambda step, model: curve.append(answer_curve_loss(model, masked_val, config))  # noqa: E731
+        if weighted:
+            with answer_weighted(model):
+                history = train(model, (train_data, masked_train), (val_data, masked_val), config,
+                                extra={"finetune": run}, batches=weighted_batches, callback=record)
+        else:
+            history = train(model, train_data, val_data, config, extra={"finetune": run},
+                            batches=instruction_batches, callback=record)
         trained = time.perf_counter() - start
         score, predictions = exact_match_eval(model, tokenizer, test, max_new_tokens=MAX_NEW_TOKENS)
         val = date_instructions("val", n_eval, seed=finetuning.DATA_SEED)
         losses = token_losses(model, tokenizer, val, run["context"])
+        general = {**GENERAL, "before": general_before, "after": general_text_loss(model, tokenizer)}
         if n_test is not None:
             held = date_instructions("test", n_test, seed=finetuning.DATA_SEED)
             held_out = held_out_record(model, tokenizer, held, batch_size=batch_size)[0]
     argv[1] = "DIR"  # the run folder is not part of the result
     more = {} if n_test is None else {"n_test": n_test, "batch_size": batch_size, "held_out": held_out}
-    return {**more, "seed": seed, "mask_prompt": mask_prompt, "n_eval": n_eval, "settings": dict(settings),
+    loss = {"loss": "answer_weighted_loss"} if weighted else {}
+    return {**more, **loss, "seed": seed, "mask_prompt": mask_prompt, "n_eval": n_eval, "settings": dict(settings),
             "finetune_args": argv, "max_new_tokens": MAX_NEW_TOKENS,
             "exact_match": score, "correct": round(score * len(test)), "examples": examples(test, predictions),
             "eval_step": history.eval_step, "val_loss": [round(v, 5) for v in history.val_loss],
-            "val_loss_counts": "answer tokens" if mask_prompt else "all tokens",
+            "val_loss_counts": ("answer tokens" if mask_prompt else
+                                "all tokens, answer weighted as masked" if weighted else "all tokens"),
+            "answer_val_loss": [round(v, 5) for v in curve], "answer_val_step": [0, *history.eval_step],
+            "general_text_loss": general,
             "train_loss": [round(v, 5) for v in history.train_loss], "val_token_loss": losses,
             "train_seconds_per_step": round(history.seconds[-1] / history.step[-1], 2),
             "wall_seconds_training": round(trained, 1), "wall_seconds": round(time.perf_counter() - start, 1)}
@@ -240,7 +356,7 @@ def main(argv=None) -> None:
     p.add_argument("--entry", choices=ENTRIES, action="append", help="base, lora, lora-nomask, base-eval (default: "
                    "base, lora and lora-nomask)")
     p.add_argument("--seed", type=int, action="append", help="fine-tune seeds (default: 0 1 2 for lora, 0 for "
-                   "lora-nomask)")
+                   "lora-nomask and lora-weighted)")
     p.add_argument("--n-eval", type=int, default=50, help="held-out test (and validation) dates (default: 50)")
     p.add_argument("--n-test", type=int, help="lora, lora-nomask: also answer the first N held-out test dates in "
                    "batches and store every reply (the key ends in /testN)")
@@ -270,7 +386,7 @@ def main(argv=None) -> None:
             key = f"{entry}/seed{seed}/n{a.n_eval}" + ("" if n_test is None else f"/test{n_test}")
             out = Path(a.keep) / key.replace("/", "_") if a.keep else None
             result = run_finetune(seed, mask_prompt=entry == "lora", n_eval=a.n_eval, out=out, n_test=n_test,
-                                  batch_size=a.batch_size)
+                                  batch_size=a.batch_size, weighted=entry == "lora-weighted")
         environment = {k: os.environ.get(k) for k in ENVIRONMENT}
         store(key, {"command": command(entry, seed, a.n_eval, threads, n_test, a.batch_size), "entry": entry,
                     **result, "threads": torch.get_num_threads(), "environment": environment})

@@ -457,13 +457,15 @@ class FineTuneHistory:
 
 def fine_tune(head: ClassifierHead, ids: torch.Tensor, labels: torch.Tensor, *, steps: int, batch_size: int = 32,
               lr: float = 1e-3, warmup: int = 0, weight_decay: float = 0.0, seed: int = 0,
-              log_every: int | None = None) -> FineTuneHistory:
+              log_every: int | None = None, callback=None) -> FineTuneHistory:
     """Train the parameters of ``head`` that require gradients on ``(ids, labels)`` with AdamW and cross-entropy.
 
     Batches of ``batch_size`` rows are taken in order from random permutations of the data (one permutation an
     epoch, from a generator seeded with ``seed``); the learning rate warms up linearly over ``warmup`` steps, then
     decays on a cosine to a tenth (:func:`groundup.training.lr_at`). Frozen parameters are left bit for bit as
-    they were. The head is put in train mode and back in eval mode at the end.
+    they were. The head is put in train mode and back in eval mode at the end. ``callback(step, head)``, if given,
+    is called after every step (``step`` counts from 1): early stopping reads held-out accuracy there; the head is
+    put back in train mode after it returns.
     """
     import time
 
@@ -501,6 +503,9 @@ def fine_tune(head: ClassifierHead, ids: torch.Tensor, labels: torch.Tensor, *, 
             history.step.append(step + 1)
             history.train_loss.append(sum(losses) / len(losses))
             losses = []
+        if callback is not None:
+            callback(step + 1, head)
+            head.train()
     head.eval()
     history.seconds = time.perf_counter() - start
     return history
