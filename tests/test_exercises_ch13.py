@@ -1,24 +1,28 @@
 """Each chapter-13 checker accepts the reference solution, rejects plausible wrong answers with the right hint,
 treats the unattempted stub kindly, refuses the package's own solution and reports answers that modify their
 inputs. The checkers' own expected values are checked against independent references: groundup.lora's layer and
-peft's, attach_lora on a real model, and groundup.instructions' encoder."""
+peft's, attach_lora on a real model, groundup.instructions' encoder, and merge_lora on a tuned classifier."""
 
 import copy
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_chat_base import tiny_base
 from torch import nn
 
 from groundup.exercises.ch13 import (
     LORA_TARGETS,
+    check_adapter_training,
     check_answer_labels,
     check_lora_forward,
     check_lora_parameter_count,
+    check_lora_surgery,
     check_merge,
 )
 from groundup.instructions import encode_instructions, instruction_messages
-from groundup.lora import LoRALinear, attach_lora, count_parameters, lora_parameter_count
+from groundup.lora import LoRALinear, attach_lora, count_parameters, lora_parameter_count, merge_lora
 from groundup.models import GPT, GPTConfig
 from groundup.pretrained import encode_chat
 
@@ -52,6 +56,47 @@ def labels_solution(ids, prompt_length):
     return labels
 
 
+class LoRA(nn.Module):  # the chapter's adapter, as the notebook defines it
+    def __init__(self, base, r, alpha):
+        super().__init__()
+        self.base, self.r, self.scale = base, r, alpha / r
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.A = nn.Parameter(torch.empty(r, base.in_features))
+        nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))
+        self.B = nn.Parameter(torch.zeros(base.out_features, r))
+
+    def forward(self, x):
+        return self.base(x) + self.scale * (x @ self.A.T) @ self.B.T
+
+
+def matches(name, targets):
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def surgery_solution(model, targets, r, alpha, *, wrapper=LoRA, match=matches, freeze=True):
+    if freeze:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and match(n, targets)]
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, wrapper(model.get_submodule(name), r, alpha))
+    return names
+
+
+def training_solution(head, ids, labels, steps, lr):
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(head(ids), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def stub(*args):
     raise NotImplementedError
 
@@ -62,7 +107,8 @@ def verdict(checker, fn, capsys):
 
 
 CHECKERS = [(check_lora_forward, forward_solution), (check_merge, merge_solution),
-            (check_lora_parameter_count, count_solution), (check_answer_labels, labels_solution)]
+            (check_lora_parameter_count, count_solution), (check_answer_labels, labels_solution),
+            (check_lora_surgery, surgery_solution), (check_adapter_training, training_solution)]
 
 
 @pytest.mark.parametrize("checker, solution", CHECKERS)
@@ -363,3 +409,246 @@ def test_labels_fallback_hint_does_not_give_the_solution(capsys):
 
     ok, out = verdict(check_answer_labels, off_by_one, capsys)
     assert not ok and "one by one" in out and "ids[i + 1]" not in out, out
+
+
+# --- Exercise 13.7: module surgery ------------------------------------------------------------------------------
+
+
+def test_the_surgery_is_attach_lora_and_the_checkers_merge_is_its_forward():
+    from groundup.exercises import ch13
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**ch13._SURGERY_CONFIG)).eval()
+    ids = torch.randint(0, 20, (2, 8))
+    for targets, r, alpha in ch13._SURGERY_CASES:
+        ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
+        names = surgery_solution(ours, targets, r, alpha)
+        adapters = attach_lora(theirs, targets, r=r, alpha=alpha)
+        assert names == list(adapters) == ch13._matching(dict(model.named_modules()), targets, "suffix")
+        assert [n for n, p in ours.named_parameters() if p.requires_grad] == \
+            [n for n, p in theirs.named_parameters() if p.requires_grad]
+        assert count_parameters(ours, trainable_only=True) == count_parameters(theirs, trainable_only=True)
+        updates = {}
+        with torch.no_grad():
+            for name in names:
+                mine = ours.get_submodule(name)
+                mine.B.normal_()
+                adapters[name].A.copy_(mine.A)
+                adapters[name].B.copy_(mine.B)
+                updates[name] = (alpha / r) * mine.B.double() @ mine.A.double()
+            torch.testing.assert_close(ours(ids)[0], theirs(ids)[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ours(ids)[0].double(), ch13._merged_logits(model, ids, updates),
+                                       rtol=1e-4, atol=1e-5)
+
+
+class RandomB(LoRA):
+    def __init__(self, base, r, alpha):
+        super().__init__(base, r, alpha)
+        nn.init.normal_(self.B)
+
+
+class ScaledByAlpha(LoRA):
+    def __init__(self, base, r, alpha):
+        super().__init__(base, r, alpha)
+        self.scale = alpha
+
+
+class NewLayer(LoRA):
+    def __init__(self, base, r, alpha):
+        super().__init__(nn.Linear(base.in_features, base.out_features), r, alpha)
+
+
+class TransposedA(LoRA):
+    def __init__(self, base, r, alpha):
+        super().__init__(base, r, alpha)
+        self.A = nn.Parameter(self.A.detach().T.clone())
+
+    def forward(self, x):
+        return self.base(x) + self.scale * (x @ self.A) @ self.B.T
+
+
+def frozen_after(model, targets, r, alpha):
+    names = surgery_solution(model, targets, r, alpha, freeze=False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return names
+
+
+def loop_variable(model, targets, r, alpha):
+    for p in model.parameters():
+        p.requires_grad_(False)
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and matches(name, targets):
+            module = LoRA(module, r, alpha)  # noqa: PLW2901 -- the mistake under test
+            names.append(name)
+    return names
+
+
+def no_return(model, targets, r, alpha):
+    surgery_solution(model, targets, r, alpha)
+
+
+def the_modules(model, targets, r, alpha):
+    names = surgery_solution(model, targets, r, alpha)
+    return [model.get_submodule(n) for n in names]
+
+
+def a_dict(model, targets, r, alpha):
+    names = surgery_solution(model, targets, r, alpha)
+    return {n: model.get_submodule(n) for n in names}
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda m, t, r, a: surgery_solution(m, t, r, a, wrapper=RandomB), "B starts at zero"),
+    (lambda m, t, r, a: surgery_solution(m, t, r, a, wrapper=ScaledByAlpha), "scaled by alpha"),
+    (lambda m, t, r, a: surgery_solution(m, t, r, a, wrapper=NewLayer), "Wrap the model's own layer"),
+    (lambda m, t, r, a: surgery_solution(m, t, r, a, wrapper=TransposedA), "transpose"),
+    (lambda m, t, r, a: surgery_solution(m, t, r, a, freeze=False), "Freeze every parameter"),
+    (frozen_after, "before you attach"),
+    (lambda m, t, r, a: surgery_solution(m, t, r, a, match=lambda n, ts: any(x in n for x in ts)),
+     "not substrings"),
+    (lambda m, t, r, a: surgery_solution(m, t, r, a, match=lambda n, ts: n.rsplit(".", 1)[-1] in ts),
+     "dotted suffix"),
+    (loop_variable, "still the original nn.Linear"),
+    (no_return, "forget the `return`"),
+    (the_modules, "not the modules"),
+    (a_dict, "of a dict's keys"),
+])
+def test_surgery_mistakes_are_named(wrong, words, capsys):
+    ok, out = verdict(check_lora_surgery, wrong, capsys)
+    assert not ok and words in " ".join(out.split()), out  # the verdict is wrapped to 80 columns
+
+
+def test_surgery_with_attach_lora_is_refused(capsys):
+    ok, out = verdict(check_lora_surgery, lambda m, t, r, a: list(attach_lora(m, t, r=r, alpha=a)), capsys)
+    assert not ok and "attach_lora" in out, out
+
+
+def test_surgery_with_the_packages_layer_is_refused(capsys):
+    ok, out = verdict(check_lora_surgery, lambda m, t, r, a: surgery_solution(m, t, r, a, wrapper=LoRALinear),
+                      capsys)
+    assert not ok and "groundup.lora.LoRALinear" in out, out
+
+
+def test_surgery_with_peft_is_refused(capsys):
+    peft = pytest.importorskip("peft")
+
+    def with_peft(model, targets, r, alpha):
+        names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and matches(n, targets)]
+        peft.inject_adapter_in_model(peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=names), model)
+        return names
+
+    ok, out = verdict(check_lora_surgery, with_peft, capsys)
+    assert not ok and "peft" in out, out
+
+
+def test_surgery_checkers_own_failure_is_not_blamed_on_the_reader(monkeypatch, capsys):
+    from groundup.exercises import ch13
+
+    # A builtin that raises a TypeError on these arguments: the error comes from the checker's own frames only (a
+    # function defined here would count as the reader's code, being outside the package).
+    monkeypatch.setattr(ch13, "_surgery_report", math.sqrt)
+    verdict_ = check_lora_surgery(surgery_solution)
+    out = capsys.readouterr().out
+    assert not verdict_ and verdict_.checker_error and "bug in the book" in " ".join(out.split()), out
+
+
+# --- Exercise 13.8: a short tuning ------------------------------------------------------------------------------
+
+
+def test_the_tuning_reference_falls_and_its_merge_is_merge_lora():
+    from groundup.exercises import ch13
+
+    head, body = ch13._tuned_head()
+    ids, labels = ch13._toy_task(32, seed=0)
+    (steps, lr, _), (short, short_lr, _) = ch13._TRAINING_CASES
+    losses, reference = ch13._training_run(head, ids, labels, steps, lr)
+    tuned = copy.deepcopy(head)
+    assert training_solution(tuned, ids, labels, steps, lr) == losses[:-1]  # the same loop, bit for bit
+    assert losses[0] == pytest.approx(math.log(2)) and losses[steps - 1] < 0.01
+    for name, p in tuned.named_parameters():
+        assert torch.equal(p, reference[name])
+    decayed = ch13._training_run(head, ids, labels, steps, lr, weight_decay=0.01)[0]
+    assert not ch13._same_losses(decayed[:-1], losses[:-1])  # the checker can tell weight decay apart
+    assert not ch13._same_losses(ch13._training_run(head, ids, labels, short, short_lr)[0][:-1],
+                                 ch13._training_run(head, ids, labels, short, short_lr, sgd=True)[0][:-1])
+    test_ids, _ = ch13._toy_task(64, seed=1)
+    merged = copy.deepcopy(tuned).eval()
+    merge_lora(merged.body)
+    with torch.no_grad():
+        torch.testing.assert_close(ch13._merged_head(head, body, tuned.state_dict()).eval()(test_ids),
+                                   merged(test_ids), rtol=1e-4, atol=1e-5)
+
+
+def trainer(*, record_after=False, weight_decay=0.0, unfreeze=False, sgd=False, zero_grad=True,
+            reduction="mean", extra_loss=False, as_tensors=False):
+    def train(head, ids, labels, steps, lr):
+        if unfreeze:
+            for p in head.parameters():
+                p.requires_grad_(True)
+        params = [p for p in head.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(params, lr=lr) if sgd else \
+            torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        losses = []
+        for _ in range(steps):
+            loss = F.cross_entropy(head(ids), labels, reduction=reduction)
+            if zero_grad:
+                optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if record_after:
+                with torch.no_grad():
+                    loss = F.cross_entropy(head(ids), labels)
+            losses.append(loss.detach() if as_tensors else loss.item())
+        if extra_loss:
+            with torch.no_grad():
+                losses.append(F.cross_entropy(head(ids), labels).item())
+        return losses
+
+    return train
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (trainer(record_after=True), "before its update"),
+    (trainer(weight_decay=0.01), "weight_decay=0.0"),
+    (trainer(unfreeze=True), "Train only the parameters that require gradients"),
+    (trainer(sgd=True), "not SGD"),
+    (trainer(zero_grad=False), "zero_grad() every step"),
+    (trainer(reduction="sum"), "not the sum"),
+    (trainer(extra_loss=True), "not asked for"),
+    (trainer(as_tensors=True), "loss.item()"),
+    (lambda *args: torch.tensor(training_solution(*args)), "returned a tensor"),
+    (lambda *args: [torch.tensor(x).as_subclass(Sub) for x in training_solution(*args)], "subclass"),
+    (lambda *args: [str(x) for x in training_solution(*args)], "as numbers"),
+    (lambda head, *args: training_solution(copy.deepcopy(head), *args), "in place"),
+    (lambda *args: training_solution(*args) and None, "forget the `return`"),
+])
+def test_training_mistakes_are_named(wrong, words, capsys):
+    ok, out = verdict(check_adapter_training, wrong, capsys)
+    assert not ok and words in " ".join(out.split()), out  # the verdict is wrapped to 80 columns
+
+
+def test_training_with_fine_tune_is_refused(capsys):
+    from groundup.classification import fine_tune
+
+    def with_fine_tune(head, ids, labels, steps, lr):
+        fine_tune(head, ids, labels, steps=steps, batch_size=len(ids), lr=lr)
+        return [0.0] * steps
+
+    ok, out = verdict(check_adapter_training, with_fine_tune, capsys)
+    assert not ok and "fine_tune" in out, out
+
+
+def test_training_with_a_merge_is_refused(capsys):
+    def and_merge(head, ids, labels, steps, lr):
+        losses = training_solution(head, ids, labels, steps, lr)
+        merge_lora(head.body)
+        return losses
+
+    ok, out = verdict(check_adapter_training, and_merge, capsys)
+    assert not ok and "merge_lora" in out, out
