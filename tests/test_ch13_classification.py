@@ -41,6 +41,7 @@ WORD_ORDER = {k: v for k, v in RUNS.items() if k.split("/")[:2] in (["word-order
 LORA_RANK = {k: v for k, v in RUNS.items() if k.startswith("word-order/lora-rank/") and "method" in v}
 CONVERGED = {k: v for k, v in RUNS.items() if k.startswith("classification-converged-probe/")}
 WORD_ORDER_BASELINES = {k: v for k, v in RUNS.items() if k.startswith("word-order/baselines/")}
+TUNED = {k: v for k, v in RUNS.items() if k.startswith("word-order-tuned/")}
 
 
 @pytest.fixture
@@ -96,8 +97,16 @@ def _command_options(entry) -> dict[str, str]:
     """The ``--flag value`` pairs of a stored entry's command, after checking that it runs this tool in its
     environment."""
     words = shlex.split(entry["command"])
-    assert words[:3] == shlex.split(tool.ENV) and words[3:5] == ["python", "tools/ch13_classification.py"]
+    env = shlex.split(tool.OLD_ENV if entry["command"].startswith(tool.OLD_ENV) else tool.ENV)
+    assert words[:len(env)] == env and words[len(env):len(env) + 2] == ["python", "tools/ch13_classification.py"]
     return {w: words[i + 1] for i, w in enumerate(words) if w.startswith("--")}
+
+
+def _environment(entry) -> dict:
+    """The variables an entry must have recorded: the old two and one thread, or the notebooks' arithmetic."""
+    if entry["command"].startswith(tool.OLD_ENV):
+        return {"OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}
+    return {"OMP_NUM_THREADS": "1", **tool.NOTEBOOK_ARITHMETIC}
 
 
 @pytest.mark.parametrize("key", sorted(FITS))
@@ -117,8 +126,7 @@ def test_stored_fine_tune_matches_its_command_and_settings(key):
     assert (c["n_train"], c["n_test"], c["passage_chars"]) == (4733, 1795, tool.TASK["passage_chars"])
     assert c["pooling"] == ("last" if entry["body"] == "gpt" else "mean")
     assert entry["curve"]["step"][-1] == c["steps"] and len(entry["curve"]["step"]) <= 40
-    assert entry["threads"] == 1 and entry["environment"] == {
-        "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}
+    assert entry["threads"] == 1 and entry["environment"] == _environment(entry)
     assert 0.0 <= entry["test_accuracy"] <= 1.0 and entry["test_loss"] > 0
     assert (entry["lm_loss"] is None) == (method == "scratch")
     if method == "probe":
@@ -233,6 +241,51 @@ def test_another_label_subset_is_stored_under_its_seed(tiny, tmp_path, monkeypat
     assert runs["word-order/summary"]["gpt/full/n16-subset1"]["test_accuracy"] == [entry["test_accuracy"]]
 
 
+def test_the_tuned_entry_chooses_on_held_out_scenes_and_stops_there(tiny, monkeypatch):
+    monkeypatch.setattr(tool, "TUNED", dict(tool.TUNED, n_train=16, max_steps=4, every=2, seeds=(0, 1),
+                                            lr_grid={"lora": (1e-3, 1e-2)}))
+    entry = tool.run_tuned("lora")
+    assert entry["steps_read"] == [2, 4] and set(entry["held_out_accuracy"]) == {"0.001", "0.01"}
+    # the choice is the best held-out accuracy; ties go to fewer steps, then the smaller rate
+    best = max(max(row) for row in entry["held_out_accuracy"].values())
+    firsts = [(row.index(best), float(lr)) for lr, row in entry["held_out_accuracy"].items() if best in row]
+    step_index, lr = min(firsts)
+    assert entry["chosen"] == {"lr": lr, "steps": entry["steps_read"][step_index], "held_out_accuracy": best}
+    for record in entry["seeds"].values():
+        assert len(record["correct"]) == record["n_test"] == 1795 and set(record["correct"]) <= {"0", "1"}
+        assert record["correct_count"] == record["correct"].count("1")
+        assert record["test_accuracy"] == tool.sig(record["correct_count"] / 1795)
+    # held-out accuracy is a count of 16 passages over the folds: a multiple of 1/16
+    assert all(abs(16 * v - round(16 * v)) < 1e-6 for row in entry["held_out_accuracy"].values() for v in row)
+
+
+@pytest.mark.parametrize("key", sorted(TUNED))
+def test_stored_tuned_entry_is_consistent(key):
+    from groundup.significance import wilson_interval
+
+    entry = RUNS[key]
+    arg = _command_options(entry)
+    method = key.split("/")[2]
+    assert key == f"word-order-tuned/gpt/{method}/n{tool.TUNED['n_train']}" and arg["--entry"] == "tuned"
+    assert entry["method"] == method and entry["environment"] == _environment(entry)
+    assert sorted(entry["seeds"]) == [str(s) for s in tool.TUNED["seeds"]]
+    for record in entry["seeds"].values():
+        right = record["correct"].count("1")
+        assert (record["correct_count"], record["n_test"], len(record["correct"])) == (right, 1795, 1795)
+        assert record["interval"] == [round(v, 5) for v in wilson_interval(right, 1795)]
+    if method == "probe":
+        stored = [RUNS.get(f"word-order/gpt/probe/n128/seed{s}") for s in tool.TUNED["seeds"]]
+        for s, probe in zip(entry["seeds"], stored):
+            if probe is not None and probe["command"].startswith(tool.ENV):  # the same arithmetic: the same probe
+                assert entry["seeds"][s]["test_accuracy"] == probe["test_accuracy"]
+        return
+    table = entry["held_out_accuracy"]
+    assert list(table) == [str(lr) for lr in tool.TUNED["lr_grid"][method]]
+    best = max(max(row) for row in table.values())
+    assert entry["chosen"]["held_out_accuracy"] == best
+    assert table[str(entry["chosen"]["lr"])][entry["steps_read"].index(entry["chosen"]["steps"])] == best
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--n-train", "128"], "--n-train and --steps are for --task word-order"),
     (["--task", "word-order", "--n-train", "127"], "--n-train 127: n must be a positive multiple"),
@@ -240,6 +293,7 @@ def test_another_label_subset_is_stored_under_its_seed(tiny, tmp_path, monkeypat
     (["--task", "word-order", "--steps", "0"], "--steps must be a positive integer"),
     (["--task", "word-order", "--entry", "converged-probe"], "--entry converged-probe is for --task play"),
     (["--entry", "rank-summary"], "--entry rank-summary is for --task word-order"),
+    (["--entry", "tuned"], "--entry tuned is for --task word-order"),
     (["--task", "word-order", "--entry", "rank", "--rank", "0"], "--rank must be positive integers"),
     (["--task", "word-order", "--subset-seed", "1"], "--subset-seed is for --entry classify with --n-train")])
 def test_bad_word_order_arguments_name_the_flag(argv, message, capsys):
@@ -273,8 +327,7 @@ def test_stored_word_order_fine_tune_matches_its_command_and_settings(key):
     else:
         assert c["steps"] == int(arg.get("--steps", tool.FINETUNE["steps"])) == entry["curve"]["step"][-1]
         assert c["lr"] == tool.LR[method] and c["lora"] == (tool.LORA if method == "lora" else None)
-    assert entry["threads"] == 1 and entry["environment"] == {
-        "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}
+    assert entry["threads"] == 1 and entry["environment"] == _environment(entry)
     assert 0.0 <= entry["test_accuracy"] <= 1.0 and (entry["lm_loss"] is None) == (method == "scratch")
     if method == "lora":
         assert entry["lm_loss"]["after_merged"] == pytest.approx(entry["lm_loss"]["after"], rel=1e-3)
@@ -347,8 +400,7 @@ def test_stored_lora_rank_run_matches_its_command_and_settings(key):
     assert (n, c["steps"]) == (tool.RANK_SWEEP["n_train"], tool.RANK_SWEEP["steps"])
     # r (d_in + d_out) per adapted matrix (13.3): W_q, W_k, W_v, W_o of 4 blocks of width 128; a 128 x 2 head
     assert entry["trainable_params"] == 16 * r * (128 + 128) + 128 * 2 + 2
-    assert entry["threads"] == 1 and entry["environment"] == {
-        "OMP_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}
+    assert entry["threads"] == 1 and entry["environment"] == _environment(entry)
     assert entry["lm_loss"]["after_merged"] == pytest.approx(entry["lm_loss"]["after"], rel=1e-3)
 
 

@@ -208,6 +208,30 @@ def test_the_weighted_control_and_the_answer_curve(tmp_path, tiny):
         ch13_results.run_finetune(0, n_eval=3, settings=TINY, weighted=True)
 
 
+def test_the_ch10_entry_trains_chapter_10s_model_and_scores_every_reply(monkeypatch):
+    from groundup import runs
+    from groundup.seq2seq import collate, date_tokenizers, greedy_decode
+
+    monkeypatch.setattr(runs, "DATES_TRAINING", dict(runs.DATES_TRAINING, max_steps=4, eval_interval=4))
+    entry = ch13_results.run_ch10([3], 6)
+    record = entry["seeds"]["3"]
+    assert (entry["n_eval"], entry["examples_seen"], entry["parameters"]) == (6, 4 * 64, 173_632)
+    predictions = _check_record(record, 6, ())
+    assert [p.expected for p in predictions] == [a for _, a in date_instructions("test", 6)]
+    # the same replies from a model trained the same way by hand
+    torch.manual_seed(3)
+    src_tok, tgt_tok, train_data, val_data, test_pairs = runs._dates_data()
+    config = runs._dates_model_config(lambda flag, key: runs.DATES_MODEL[key], (src_tok.vocab_size,
+                                                                                 tgt_tok.vocab_size))
+    model = runs.EncoderDecoder(config)
+    from groundup.seq2seq import batches
+    from groundup.training import TrainConfig, train
+    train(model, train_data, val_data, TrainConfig(**runs.DATES_TRAINING, seed=3, progress=False), batches=batches)
+    src = collate([src_tok.encode(s) for s, _ in test_pairs[:6]])
+    assert record["predictions"] == [tgt_tok.decode(ids) for ids in greedy_decode(model.eval(), src)]
+    assert date_tokenizers()[0] == src_tok
+
+
 def test_the_base_entry_scores_zero_and_three_shots(tiny):
     entry = ch13_results.run_base(2)
     model, tokenizer = tiny_base()
@@ -247,6 +271,11 @@ def test_stored_entry_matches_its_command_and_settings(key):
         assert (entry["mcnemar"]["a_only"], entry["mcnemar"]["b_only"], entry["mcnemar"]["p_value"]) == (
             test.a_only, test.b_only, test.p_value)
         return
+    if kind == "ch10":
+        assert key == f"ch10/n{n_eval}" and sorted(entry["seeds"]) == ["0", "1", "2"]
+        for record in entry["seeds"].values():
+            _check_record(record, n_eval, ())
+        return
     if kind == "base":
         assert key == f"base/n{n_eval}"
         for name in ("zero_shot", "3_shot"):
@@ -261,6 +290,11 @@ def test_stored_entry_matches_its_command_and_settings(key):
         assert entry["n_test"] == n_test
         _check_record(entry["held_out"], n_test, ())
     assert entry["mask_prompt"] is (kind == "lora")
+    assert entry.get("loss") == ("answer_weighted_loss" if kind == "lora-weighted" else None)
+    if "answer_val_loss" in entry:
+        assert entry["answer_val_step"] == [0, *entry["eval_step"]]
+        assert (entry["answer_val_loss"][1:] == entry["val_loss"]) is (kind == "lora")
+        assert entry["general_text_loss"]["before"] == pytest.approx(3.658, abs=0.01)  # the base model's
     assert entry["settings"] == ch13_results.FINETUNE
     assert entry["finetune_args"] == ch13_results.finetune_args("DIR", seed, n_eval, kind == "lora")
     steps = ch13_results.FINETUNE["steps"]

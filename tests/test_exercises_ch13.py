@@ -86,7 +86,8 @@ def surgery_solution(model, targets, r, alpha, *, wrapper=LoRA, match=matches, f
 
 
 def training_solution(head, ids, labels, steps, lr):
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
+                                  fused=True)
     losses = []
     for _ in range(steps):
         loss = F.cross_entropy(head(ids), labels)

@@ -1,6 +1,6 @@
 """The classification runs behind chapter 13 (which play? real or word-shuffled?), stored in chapter13.json.
 
-    E="MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"
+    E="OMP_NUM_THREADS=1"
     env $E python tools/ch13_classification.py --entry baselines                 # majority and n-gram (10 s)
     env $E python tools/ch13_classification.py --body gpt --method full --seed 0 # one fine-tune (2-3 minutes)
     env $E python tools/ch13_classification.py --entry rank --rank 4             # LoRA of rank 4 on the GPT
@@ -15,8 +15,12 @@
     env $E python tools/ch13_classification.py --entry converged-probe --body gpt # which-play, converged probe
     env $E python tools/ch13_classification.py $W --entry tuned --method full     # lr and steps by held-out scenes
 
-The arithmetic settings are those chapter 7's stored model was trained under (``chapter7_model()`` trains it afresh
-under any other). The task is :func:`groundup.classification.play_passages` with ``TASK``: 64-character passages
+The tool runs under the notebooks' arithmetic (``nbval_lanes.ARITHMETIC``, set by the tool itself when the shell did
+not), so ``chapter7_model()`` gives it the model the chapter's live cells get and a live run prints a stored seed's
+numbers. Entries whose command starts with ``OLD_ENV`` ran before the tool did that, under MKL's compatible path
+and PyTorch's default kernels only (the which-play runs, the masked LMs' runs and their chapter-7 bodies' baselines):
+their chapter-7 model was another training of the same recipe, so their numbers are of the same kind, not the
+same digits. The task is :func:`groundup.classification.play_passages` with ``TASK``: 64-character passages
 of four plays, split by scene. Three bodies:
 
 - ``gpt``: chapter 7's GPT (``chapter7_model()``), the last position's final state (the only position of a causal
@@ -83,7 +87,7 @@ import time
 from pathlib import Path
 
 import torch
-from results_file import add_entry
+from results_file import NOTEBOOK_ARITHMETIC, add_entry, on_notebook_arithmetic
 
 from groundup.classification import (
     ATTENTION_PROJECTIONS,
@@ -111,8 +115,11 @@ from groundup.data import load_corpus, train_val_split
 from groundup.lora import count_parameters, merge_lora
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter13.json"
-ENV = "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"
-ENVIRONMENT = ("OMP_NUM_THREADS", "MKL_CBWR", "ATEN_CPU_CAPABILITY")
+ENV = "OMP_NUM_THREADS=1"
+"""How a command is run; the tool sets the notebooks' arithmetic itself (``results_file.on_notebook_arithmetic``)."""
+OLD_ENV = "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"
+"""How the entries made before the tool set the notebooks' whole arithmetic were run (their commands start so)."""
+ENVIRONMENT = ("OMP_NUM_THREADS", *NOTEBOOK_ARITHMETIC)
 TASK = dict(passage_chars=64, test_fraction=0.25, seed=0)
 FINETUNE = dict(steps=150, batch_size=32, warmup=10, weight_decay=0.0)
 LR = {"scratch": 1e-3, "probe": 1e-2, "full": 3e-4, "lora": 2e-3}
@@ -728,4 +735,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    on_notebook_arithmetic()  # the arithmetic the notebook's live cells run under: the same chapter-7 model
     sys.exit(main())

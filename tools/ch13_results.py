@@ -34,6 +34,11 @@ SmolLM2-135M-Instruct, scored on the first ``--n-eval`` held-out test dates (50 
   (:func:`groundup.instructions.score_predictions`), the exact McNemar test of the two prompts on the same questions,
   and the seconds per question. No validation losses.
 
+- ``ch10``: chapter 10's encoder-decoder, trained from scratch as ``groundup train --task dates --seed S`` trains it
+  (:data:`groundup.runs.DATES_MODEL`, :data:`groundup.runs.DATES_TRAINING`; seeds 0, 1 and 2 by default, about
+  20 s each), then asked the same first ``--n-eval`` held-out dates (chapter 10's test set is those dates) by
+  greedy decoding; the same held-out record as ``base-eval``'s per seed (``seeds``), no shots.
+
 ``--n-test N`` adds the same held-out record (``held_out``: scores, errors and every reply, batched answers on the
 first N test dates) to a ``lora`` or ``lora-nomask`` entry, whose key then ends in ``/test{N}``.
 
@@ -84,7 +89,7 @@ from groundup.significance import mcnemar_test
 from groundup.training import evaluate, train
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "groundup" / "results" / "chapter13.json"
-ENTRIES = ("base", "lora", "lora-nomask", "base-eval", "lora-weighted")
+ENTRIES = ("base", "lora", "lora-nomask", "base-eval", "lora-weighted", "ch10")
 FINETUNE = dict(steps=40, batch_size=8, rank=8, alpha=16.0, targets=["W_q", "W_v"], lr=2e-3, warmup=4, context=128,
                 n_train=1000, eval_interval=10, eval_batches=4)
 """The fine-tunes' settings (``groundup finetune`` flags): 40 steps take about 1.5 minutes with two threads on two
@@ -344,6 +349,45 @@ def run_finetune(seed: int, *, mask_prompt: bool = True, n_eval: int = 50, out=N
             "wall_seconds_training": round(trained, 1), "wall_seconds": round(time.perf_counter() - start, 1)}
 
 
+def run_ch10(seeds, n_eval: int) -> dict:
+    """Chapter 10's model trained from scratch for each of ``seeds``, scored on the first ``n_eval`` held-out dates
+    with the instruction-tuned models' record (:func:`held_out_record`'s fields but ``unended``)."""
+    from groundup.instructions import Prediction
+    from groundup.models import EncoderDecoder
+    from groundup.runs import DATES_MODEL, DATES_TRAINING, _dates_data, _dates_model_config
+    from groundup.seq2seq import batches, collate, greedy_decode
+    from groundup.training import TrainConfig
+
+    start = time.perf_counter()
+    src_tok, tgt_tok, train_data, val_data, test_pairs = _dates_data()
+    test_pairs = test_pairs[:n_eval]
+    config = _dates_model_config(lambda flag, key: DATES_MODEL[key], (src_tok.vocab_size, tgt_tok.vocab_size))
+    questions = date_instructions("test", n_eval, seed=finetuning.DATA_SEED)
+    if [answer for _, answer in questions] != [target for _, target in test_pairs]:
+        raise RuntimeError("chapter 10's test dates are not the instructions' held-out dates")
+    found = {}
+    for seed in seeds:
+        t0 = time.perf_counter()
+        torch.manual_seed(seed)
+        model = EncoderDecoder(config)
+        history = train(model, train_data, val_data, TrainConfig(**DATES_TRAINING, seed=seed, progress=False),
+                        batches=batches)
+        trained = time.perf_counter() - t0
+        src = collate([src_tok.encode(source) for source, _ in test_pairs])
+        replies = [tgt_tok.decode(ids) for ids in greedy_decode(model.eval(), src)]
+        predictions = [Prediction(i, date_format(source), target, reply, True, reply.strip())
+                       for i, ((source, target), reply) in enumerate(zip(test_pairs, replies))]
+        record = score_predictions(predictions)
+        record["interval"] = [round(v, 5) for v in record["interval"]]
+        record.update(predictions=replies, unended=[], val_loss=round(history.val_loss[-1], 5),
+                      train_seconds=round(trained, 1), seconds=round(time.perf_counter() - t0, 1))
+        found[str(seed)] = record
+    return {"n_eval": n_eval, "model": dict(DATES_MODEL), "training": dict(DATES_TRAINING),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "examples_seen": DATES_TRAINING["batch_size"] * DATES_TRAINING["max_steps"],
+            "seeds": found, "wall_seconds": round(time.perf_counter() - start, 1)}
+
+
 def store(key: str, entry: dict) -> None:
     """Add one entry to the JSON file (several commands may run at once: see tools/results_file.py)."""
     add_entry(OUT, key, entry, header={
@@ -371,7 +415,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(threads)
     jobs = []
     for entry in a.entry or list(ENTRIES[:3]):
-        if entry in ("base", "base-eval"):
+        if entry in ("base", "base-eval", "ch10"):
             jobs.append((entry, None))
         else:
             jobs += [(entry, s) for s in a.seed or ([0, 1, 2] if entry == "lora" else [0])]
@@ -381,6 +425,8 @@ def main(argv=None) -> None:
             key, result = f"base/n{a.n_eval}", run_base(a.n_eval)
         elif entry == "base-eval":
             key, result = f"base-eval/n{a.n_eval}", run_base_eval(a.n_eval, batch_size=a.batch_size)
+        elif entry == "ch10":
+            key, result = f"ch10/n{a.n_eval}", run_ch10(a.seed or [0, 1, 2], a.n_eval)
         else:
             n_test = a.n_test
             key = f"{entry}/seed{seed}/n{a.n_eval}" + ("" if n_test is None else f"/test{n_test}")
@@ -396,6 +442,8 @@ def main(argv=None) -> None:
                 shown[k] = {f: v[f] for f in ("correct", "n", "interval", "kinds", "seconds_per_question")}
             elif k in ("zero_shot", "3_shot", "mcnemar"):
                 shown[k] = v
+            elif k == "seeds":  # ch10: each seed's record
+                shown[k] = {seed: {f: r[f] for f in ("correct", "n", "interval", "kinds")} for seed, r in v.items()}
         print(key, shown, flush=True)
 
 

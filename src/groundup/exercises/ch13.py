@@ -673,7 +673,7 @@ def _training_run(head: nn.Module, ids: torch.Tensor, labels: torch.Tensor, step
     head = copy.deepcopy(head).train()
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=lr) if sgd else \
-        torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+        torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, fused=True)
     losses = []
     for _ in range(steps):
         loss = F.cross_entropy(head(ids), labels)
