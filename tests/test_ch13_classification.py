@@ -409,7 +409,11 @@ def test_stored_lora_rank_summary_is_the_stored_runs():
         pytest.skip("no rank sweep stored yet")
     stored = RUNS["word-order/lora-rank/n128/summary"]
     assert tool.lora_rank_summary(ALL) == {k: v for k, v in stored.items() if k != "command"}
-    assert stored["ranks"]["8"]["keys"][0] in WORD_ORDER and stored["lm_loss_before"] == 1.7296
+    rank8 = stored["ranks"]["8"]["keys"][0]
+    assert rank8 in WORD_ORDER and stored["lm_loss_before"] == RUNS[rank8]["lm_loss"]["before"]
+    # every run of the sweep started from the same chapter-7 model: one loss before
+    assert {RUNS[k]["lm_loss"]["before"] for s in stored["ranks"].values() for k in s["keys"]} == {
+        stored["lm_loss_before"]}
     for r, s in stored["ranks"].items():
         assert all(RUNS[k]["config"]["lora"]["r"] == int(r) for k in s["keys"]) and len(s["keys"]) == 3
         assert s["mean"] == pytest.approx(statistics.fmean(s["test_accuracy"]), rel=1e-4)

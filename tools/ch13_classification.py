@@ -19,9 +19,12 @@ The tool runs under the notebooks' arithmetic (``nbval_lanes.ARITHMETIC``, set b
 not), so ``chapter7_model()`` gives it the model the chapter's live cells get and a live run prints a stored seed's
 numbers. Entries whose command starts with ``OLD_ENV`` ran before the tool did that, under MKL's compatible path
 and PyTorch's default kernels only (the which-play runs, the masked LMs' runs and their chapter-7 bodies' baselines):
-their chapter-7 model was another training of the same recipe, so their numbers are of the same kind, not the
-same digits. The task is :func:`groundup.classification.play_passages` with ``TASK``: 64-character passages
-of four plays, split by scene. Three bodies:
+their chapter-7 model was another training of the same recipe, and their AdamW was PyTorch's per-tensor one (the
+fine-tunes now use the fused kernel, whose square root is the same on every CPU), so their numbers are of the same
+kind, not the same digits.
+
+The task is :func:`groundup.classification.play_passages` with ``TASK``: 64-character passages of four plays, split
+by scene. Three bodies:
 
 - ``gpt``: chapter 7's GPT (``chapter7_model()``), the last position's final state (the only position of a causal
   model that has read the whole passage). ``gpt-mean``: the same body, the mean of the states over all positions
