@@ -312,9 +312,12 @@ def run_finetune(seed: int, *, mask_prompt: bool = True, n_eval: int = 50, out=N
         finetuning.add_finetune_parser(parser.add_subparsers(dest="command"))
         args = parser.parse_args(["finetune", *argv])
         model, tokenizer, run, config, (train_data, val_data), test, _ = finetuning._prepare(args, folder)
-        masked_run = dict(run, mask_prompt=True)
-        train_pairs, val_pairs = finetuning._task_pairs(run)[:2]
-        masked_train, masked_val = finetuning._encode(tokenizer, masked_run, train_pairs, val_pairs)
+        if mask_prompt:  # the run's own data are already the masked ones
+            masked_train, masked_val = train_data, val_data
+        else:
+            train_pairs, val_pairs = finetuning._task_pairs(run)[:2]
+            masked_train, masked_val = finetuning._encode(tokenizer, dict(run, mask_prompt=True), train_pairs,
+                                                          val_pairs)
         general_before = general_text_loss(model, tokenizer)
         curve = [answer_curve_loss(model, masked_val, config)]
         record = lambda step, model: curve.append(answer_curve_loss(model, masked_val, config))  # noqa: E731
