@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from groundup import interpretability as interp
+from groundup import training
 from groundup.induction import in_context_loss, repeated_random_tokens
 from groundup.models import GPT, GPTConfig
 
@@ -86,6 +87,110 @@ def test_run_seed_on_a_tiny_model_records_what_the_model_computes():
     json.dumps(entry)  # plain data
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the heads forming: head_scores every RECORD_EVERY steps
+
+TINY = dict(model=dict(vocab_size=16, context_length=12, d_model=16),
+            training=dict(max_steps=22, batch_size=8, eval_batches=1), record_every=5)
+
+
+def _by_hand(model, tokens):
+    """Previous-token and induction scores ([layer][head]) and the layer-0 -> layer-1 K-composition, from the
+    attention weights and the weights themselves, unrounded."""
+    patterns = interp.attention_patterns(model, tokens)
+    half = tokens.shape[1] // 2
+    prev = [[float(p[:, h, 1:, :-1].diagonal(dim1=-2, dim2=-1).mean()) for h in range(p.shape[1])] for p in patterns]
+    ind = [[float(torch.stack([p[:, h, i, i - half + 1] for i in range(half, 2 * half)]).mean())
+            for h in range(p.shape[1])] for p in patterns]
+    att0, att1 = model.blocks[0].attention, model.blocks[1].attention
+    d, d_head = model.config.d_model, model.config.d_model // model.config.n_heads
+    rows = [slice(h * d_head, (h + 1) * d_head) for h in range(model.config.n_heads)]
+    with torch.no_grad():  # each block's LayerNorm reads x through diag(gamma) (I - 11^T / d), folded in
+        n0, n1 = (torch.diag(model.blocks[i].norm_1.weight) @ (torch.eye(d) - 1 / d) for i in (0, 1))
+        ov = [att0.W_o.weight[:, r] @ att0.W_v.weight[r] @ n0 for r in rows]
+        qk = [(att1.W_q.weight[r] @ n1).T @ att1.W_k.weight[r] @ n1 for r in rows]
+        comp = [[float((b @ a).norm() / (b.norm() * a.norm())) for b in qk] for a in ov]
+    return {"previous_token": prev, "induction": ind, "k_composition": comp}
+
+
+def _close(found, expected, abs=2e-5):
+    for name in ("previous_token", "induction", "k_composition"):
+        for row, want in zip(found[name], expected[name], strict=True):
+            assert row == pytest.approx(want, abs=abs), name
+
+
+def _tiny_run(record_heads):
+    """The tiny run: (entry, model, history, copies of the model at each of train's callbacks)."""
+    histories, snapshots = [], []
+
+    def train(model, train_data, val_data, config, *, callback, batches):
+        def snapshot(step, m):
+            snapshots.append((step, copy.deepcopy(m).train()))
+            callback(step, m)
+
+        histories.append(training.train(model, train_data, val_data, config, callback=snapshot, batches=batches))
+        return histories[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ch14_results, "train", train)
+        entry, model = ch14_results.run_seed(7, **TINY, record_heads=record_heads)
+    return entry, model, histories[0], snapshots
+
+
+@pytest.fixture(scope="module")
+def tiny_runs():
+    """The tiny run with and without recording the heads."""
+    return {record_heads: _tiny_run(record_heads) for record_heads in (True, False)}
+
+
+def test_recording_the_heads_leaves_the_training_alone(tiny_runs):
+    (entry, model, history, _), (plain, plain_model, plain_history, _) = tiny_runs[True], tiny_runs[False]
+    assert "head_scores" not in plain and entry["head_scores_every"] == 5
+    assert history.train_loss == plain_history.train_loss and len(history.train_loss) == 22
+    assert history.grad_norm == plain_history.grad_norm and history.val_loss == plain_history.val_loss
+    for (name, p), q in zip(model.state_dict().items(), plain_model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    drop = ("wall_seconds", "head_scores", "head_scores_every")
+    assert {k: v for k, v in entry.items() if k not in drop} == {k: v for k, v in plain.items() if k not in drop}
+
+
+def test_head_scores_are_recorded_on_the_curves_schedule(tiny_runs):
+    entry, model, _, snapshots = tiny_runs[True]
+    heads = entry["head_scores"]
+    # every 5 steps from the initialisation, and the last step of a run that is not a multiple of 5
+    assert heads["step"] == entry["curve"]["step"] == [0, 5, 10, 15, 20, 22]
+    assert [s for s, _ in snapshots] == [5, 10, 15, 20, 22]  # train's callback: every evaluation and the end
+    for name, shape in (("previous_token", (2, 4)), ("induction", (2, 4)), ("k_composition", (4, 4))):
+        assert torch.tensor(heads[name]).shape == (6, *shape)
+    # the last step's are the entry's final scores, the first the initialisation's composition
+    assert heads["previous_token"][-1] == entry["scores"]["previous_token"]
+    assert heads["induction"][-1] == entry["scores"]["induction"]
+    assert heads["k_composition"][-1] == entry["k_composition"]
+    assert heads["k_composition"][0] == entry["k_composition_at_init"]
+    # each step's are those of the model at that step, computed again by hand
+    tokens = ch14_results.held_out(16, 12)
+    for i, (step, snapshot) in enumerate(snapshots, start=1):
+        assert heads["step"][i] == step
+        _close({k: heads[k][i] for k in ("previous_token", "induction", "k_composition")}, _by_hand(snapshot, tokens))
+    torch.manual_seed(7)
+    fresh = GPT(ch14_results.AttentionOnlyConfig(**{**ch14_results.MODEL, **TINY["model"]}))
+    _close({k: heads[k][0] for k in ("previous_token", "induction", "k_composition")}, _by_hand(fresh, tokens))
+    assert heads["induction"][0] != heads["induction"][-1]  # the scores did move
+
+
+def test_head_scores_draw_no_random_numbers_and_restore_the_mode():
+    torch.manual_seed(3)
+    model = GPT(ch14_results.AttentionOnlyConfig(**{**ch14_results.MODEL, **TINY["model"]}))
+    tokens = ch14_results.held_out(16, 12)
+    state = torch.get_rng_state()
+    for mode in (True, False):
+        model.train(mode)
+        found = ch14_results.head_scores(model, tokens)
+        assert model.training is mode
+    assert torch.equal(torch.get_rng_state(), state)
+    _close(found, _by_hand(model, tokens))
+
+
 def test_the_stored_runs_are_the_three_seeds():
     assert sorted(RUNS) == ["seed0", "seed1", "seed2"]
 
@@ -117,6 +222,30 @@ def test_stored_entry_is_complete_and_consistent(key):
     for mode in ("zero", "mean"):
         table = entry["ablation"][mode]
         assert len(table) == 2 and all(len(row) == 4 and all(math.isfinite(x) for x in row) for row in table)
+
+
+@pytest.mark.parametrize("key", sorted(RUNS))
+def test_stored_head_scores_follow_the_curve_from_the_initialisation_to_the_final_scores(key):
+    entry = RUNS[key]
+    heads = entry["head_scores"]
+    assert entry["head_scores_every"] == ch14_results.RECORD_EVERY
+    assert heads["step"] == entry["curve"]["step"]
+    for name, rows, cols in (("previous_token", 2, 4), ("induction", 2, 4), ("k_composition", 4, 4)):
+        assert len(heads[name]) == len(heads["step"])
+        assert all(len(t) == rows and all(len(r) == cols and all(0 <= x <= 1 for x in r) for r in t)
+                   for t in heads[name])
+    assert heads["previous_token"][-1] == entry["scores"]["previous_token"]
+    assert heads["induction"][-1] == entry["scores"]["induction"]
+    assert heads["k_composition"][-1] == entry["k_composition"]
+    assert heads["k_composition"][0] == entry["k_composition_at_init"]
+    # step 0: the freshly initialised model of that seed, on the held-out batch
+    torch.manual_seed(entry["seed"])
+    fresh = GPT(ch14_results.AttentionOnlyConfig(**entry["model"]))
+    tokens = ch14_results.held_out(entry["model"]["vocab_size"], entry["model"]["context_length"])
+    _close({k: heads[k][0] for k in ("previous_token", "induction", "k_composition")}, _by_hand(fresh, tokens))
+    # the heads form: an induction head in layer 1 and a previous-token head in layer 0, neither at the start
+    assert max(heads["induction"][0][1]) < 0.2 < 0.8 < max(heads["induction"][-1][1])
+    assert max(heads["previous_token"][0][0]) < 0.2 < 0.8 < max(heads["previous_token"][-1][0])
 
 
 # ---------------------------------------------------------------------------------------------------------------

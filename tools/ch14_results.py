@@ -40,12 +40,20 @@ not positive). The resolution is ``RECORD_EVERY`` steps.
 **At the end**, on the held-out batch: every head's previous-token and induction scores
 (:func:`groundup.interpretability.previous_token_scores`, :func:`~groundup.interpretability.induction_scores`,
 lists ``[layer][head]``), its copying score (:func:`~groundup.interpretability.copying_scores`), the
-K-composition scores between the layer-1 heads (rows) and the layer-2 heads (columns) of the trained model and,
+K-composition scores between the layer-0 heads (rows) and the layer-1 heads (columns) of the trained model and,
 as the baseline the composition docstring asks for, of the same model at initialisation; and the in-context loss
 with each head ablated alone, zero-ablated and mean-ablated, the means per position
 (:func:`~groundup.interpretability.mean_head_outputs` with ``per_position=True``) over a second batch of
 repeated sequences (generator seed ``MEAN_SEED``); and with all heads of a layer zero-ablated at once. Layers
 and heads count from 0, as in the package.
+
+**The heads forming** (``head_scores``, every ``head_scores_every`` = ``RECORD_EVERY`` steps: at the curve's steps,
+step 0 included, in the same callback): on the same held-out batch, every head's previous-token and induction scores
+(lists ``[layer][head]`` per step) and the K-composition scores between the layer-0 heads (rows) and the layer-1
+heads (columns) (lists ``[h0][h1]`` per step), by :func:`head_scores`. The last step's are the final ``scores`` and
+``k_composition``; step 0's are the initialised model's (``k_composition_at_init``). Measuring needs no random
+numbers and leaves the model in training mode, so the training (and every other number of the entry) is the same
+as without it.
 
 **SmolLM2 and chapter 7's model** (``--entry``, stored in the file's ``measurements`` section under the
 entry's name, not in ``runs``):
@@ -173,6 +181,16 @@ def scores(model: GPT, tokens: torch.Tensor) -> dict:
             "copying": _rounded(torch.stack([copying_scores(model, layer) for layer in range(len(patterns))]))}
 
 
+def head_scores(model: GPT, tokens: torch.Tensor) -> dict:
+    """What :func:`run_seed` records every ``RECORD_EVERY`` steps: each head's previous-token and induction scores
+    on ``tokens`` (lists [layer][head]) and the K-composition scores of the layer-0 heads (rows) into the layer-1
+    heads (columns). In eval mode without gradients, the model's mode restored; no random numbers drawn."""
+    patterns = attention_patterns(model, tokens)
+    return {"previous_token": _rounded(torch.stack([previous_token_scores(p) for p in patterns])),
+            "induction": _rounded(torch.stack([induction_scores(p) for p in patterns])),
+            "k_composition": _rounded(composition_scores(model, 0, 1, kind="k"))}
+
+
 def ablations(model: GPT, tokens: torch.Tensor, reference: torch.Tensor) -> dict:
     """The in-context loss on ``tokens`` with each head ablated alone (lists [layer][head])."""
     means = mean_head_outputs(model, reference, per_position=True)
@@ -195,9 +213,10 @@ def ablations(model: GPT, tokens: torch.Tensor, reference: torch.Tensor) -> dict
 
 
 def run_seed(seed: int, *, model: dict | None = None, training: dict | None = None,
-             record_every: int = RECORD_EVERY) -> tuple[dict, GPT]:
+             record_every: int = RECORD_EVERY, record_heads: bool = True) -> tuple[dict, GPT]:
     """Train one seed and measure it: returns ``(entry, trained model)``; ``model`` / ``training`` override
-    ``MODEL`` / ``TRAINING`` (for a quick check)."""
+    ``MODEL`` / ``TRAINING`` (for a quick check). ``record_heads=False`` leaves out ``head_scores`` (the training
+    and the rest of the entry are the same)."""
     model_kwargs, train_kwargs = {**MODEL, **(model or {})}, {**TRAINING, **(training or {})}
     tick = time.perf_counter()
     torch.manual_seed(seed)
@@ -205,19 +224,28 @@ def run_seed(seed: int, *, model: dict | None = None, training: dict | None = No
     tokens = held_out(model_kwargs["vocab_size"], model_kwargs["context_length"])
     reference = held_out(model_kwargs["vocab_size"], model_kwargs["context_length"], N_MEAN, MEAN_SEED)
     at_init = composition_scores(net, 0, 1, kind="k")
-    steps, losses = [0], [round(in_context_loss(net, tokens), DIGITS)]
+    steps, losses = [], []
+    heads = {"step": [], "previous_token": [], "induction": [], "k_composition": []}
+
+    def measure(step, m):
+        steps.append(step)
+        losses.append(round(in_context_loss(m, tokens), DIGITS))
+        if record_heads:
+            heads["step"].append(step)
+            for name, table in head_scores(m, tokens).items():
+                heads[name].append(table)
 
     def record(step, m):
         if step % record_every == 0 and step != steps[-1]:
-            steps.append(step)
-            losses.append(round(in_context_loss(m, tokens), DIGITS))
+            measure(step, m)
+
+    measure(0, net)
 
     config = TrainConfig(**train_kwargs, eval_interval=record_every, seed=seed, device="cpu", progress=False)
     history = train(net, model_kwargs["vocab_size"], model_kwargs["vocab_size"], config, callback=record,
                     batches=induction_batches)
     if steps[-1] != config.max_steps:  # a run whose length is not a multiple of record_every
-        steps.append(config.max_steps)
-        losses.append(round(in_context_loss(net, tokens), DIGITS))
+        measure(config.max_steps, net)
     net.eval()
     entry = {
         "seed": seed, "model": model_kwargs,
@@ -230,6 +258,7 @@ def run_seed(seed: int, *, model: dict | None = None, training: dict | None = No
         "scores": scores(net, tokens),
         "k_composition": _rounded(composition_scores(net, 0, 1, kind="k")),
         "k_composition_at_init": _rounded(at_init),
+        **({"head_scores_every": record_every, "head_scores": heads} if record_heads else {}),
         "ablation": {"means": {"n_seq": N_MEAN, "seed": MEAN_SEED, "per_position": True},
                      **ablations(net, tokens, reference)},
         "threads": torch.get_num_threads(), "mkl_cbwr": os.environ.get("MKL_CBWR"),
