@@ -1,7 +1,8 @@
 """Each chapter-13 checker accepts the reference solution, rejects plausible wrong answers with the right hint,
 treats the unattempted stub kindly, refuses the package's own solution and reports answers that modify their
-inputs. The checkers' own expected values are checked against independent references: groundup.lora's layer and
-peft's, attach_lora on a real model, groundup.instructions' encoder, and merge_lora on a tuned classifier."""
+inputs. The checkers' own expected values are checked against independent references: peft's rsLoRA layer,
+groundup.lora's merge and unmerge, attach_lora on a real model and groundup.instructions' encoder; the toy tasks
+of the early-stopping exercise are checked to rise and then fall."""
 
 import copy
 import math
@@ -14,28 +15,31 @@ from torch import nn
 
 from groundup.exercises.ch13 import (
     LORA_TARGETS,
-    check_adapter_training,
+    check_adapter_swap,
     check_answer_labels,
-    check_lora_forward,
+    check_early_stopping,
     check_lora_parameter_count,
     check_lora_surgery,
-    check_merge,
+    check_rslora_forward,
 )
 from groundup.instructions import encode_instructions, instruction_messages
-from groundup.lora import LoRALinear, attach_lora, count_parameters, lora_parameter_count, merge_lora
+from groundup.lora import LoRALinear, attach_lora, count_parameters, lora_parameter_count
 from groundup.models import GPT, GPTConfig
 from groundup.pretrained import encode_chat
 
 # --- reference solutions (the notebook's hidden solutions) ----------------------------------------------------
 
 
-def forward_solution(x, W, b, A, B, alpha):
+def rslora_solution(x, W, b, A, B, alpha):
     r = A.shape[0]
-    return x @ W.T + b + (alpha / r) * (x @ A.T) @ B.T
+    return x @ W.T + b + (alpha / math.sqrt(r)) * (x @ A.T) @ B.T
 
 
-def merge_solution(W, A, B, alpha):
-    return W + (alpha / A.shape[0]) * B @ A
+def swap_solution(W, old, new, alpha):
+    (A1, B1), (A2, B2) = old, new
+    with torch.no_grad():  # W may be a parameter that requires gradients
+        W.addmm_(B1, A1, alpha=-alpha / A1.shape[0])  # W <- W - (alpha / r1) B1 A1
+        W.addmm_(B2, A2, alpha=alpha / A2.shape[0])  # W <- W + (alpha / r2) B2 A2
 
 
 def lora_shapes(d_model, n_heads, n_kv_heads, d_ff):
@@ -85,17 +89,50 @@ def surgery_solution(model, targets, r, alpha, *, wrapper=LoRA, match=matches, f
     return names
 
 
-def training_solution(head, ids, labels, steps, lr):
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
-                                  fused=True)
-    losses = []
-    for _ in range(steps):
-        loss = F.cross_entropy(head(ids), labels)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+def stopper(*, restore=True, clone=True, ties="earliest", count_on="held", eval_mode=True,
+            back_to_train=True, fraction=False, from_zero=False, unfreeze=False, on_a_copy=False,
+            weight_decay=0.0, last=False):
+    """The early-stopping loop, or one with a mistake."""
+    def early_stopping(head, ids, labels, held_ids, held_labels, steps, lr, every):
+        if on_a_copy:
+            head = copy.deepcopy(head)
+        if unfreeze:
+            for p in head.parameters():
+                p.requires_grad_(True)
+        trainable = [p for p in head.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, fused=True)
+        best_step, best_right, best = 0, -1, None
+        head.train()
+        for step in range(1, steps + 1):
+            loss = F.cross_entropy(head(ids), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step % every == 0:
+                x, y = (held_ids, held_labels) if count_on == "held" else (ids, labels)
+                if eval_mode:
+                    head.eval()
+                with torch.no_grad():
+                    right = (head(x).argmax(dim=1) == y).sum().item()
+                if back_to_train:
+                    head.train()
+                if right > best_right or (ties == "latest" and right == best_right):
+                    best_step, best_right = step, right
+                    best = [p.detach().clone() if clone else p.detach() for p in trainable]
+        if restore and not last:
+            with torch.no_grad():
+                for p, saved in zip(trainable, best):
+                    p.copy_(saved)
+        if last:
+            return steps, right
+        if fraction:
+            return best_step, best_right / len(held_ids)
+        return best_step - 1 if from_zero else best_step, best_right
+
+    return early_stopping
+
+
+early_stopping_solution = stopper()
 
 
 def stub(*args):
@@ -107,9 +144,9 @@ def verdict(checker, fn, capsys):
     return bool(ok), capsys.readouterr().out
 
 
-CHECKERS = [(check_lora_forward, forward_solution), (check_merge, merge_solution),
+CHECKERS = [(check_rslora_forward, rslora_solution), (check_adapter_swap, swap_solution),
             (check_lora_parameter_count, count_solution), (check_answer_labels, labels_solution),
-            (check_lora_surgery, surgery_solution), (check_adapter_training, training_solution)]
+            (check_lora_surgery, surgery_solution), (check_early_stopping, early_stopping_solution)]
 
 
 @pytest.mark.parametrize("checker, solution", CHECKERS)
@@ -118,39 +155,6 @@ def test_reference_passes_and_stub_is_not_attempted(checker, solution, capsys):
     assert ok and "✅" in out, out
     ok, out = verdict(checker, stub, capsys)
     assert not ok and "not attempted yet" in out, out
-
-
-def test_a_float32_answer_passes(capsys):
-    def in_float32(x, W, b, A, B, alpha):
-        return forward_solution(*(t.float() for t in (x, W, b, A, B)), alpha)
-
-    ok, out = verdict(check_lora_forward, in_float32, capsys)
-    assert ok, out
-
-
-# --- the checkers' formulas against independent references ------------------------------------------------------
-
-
-def test_the_forward_formula_is_groundups_and_peft_layer():
-    peft = pytest.importorskip("peft")
-    torch.manual_seed(0)
-    base = nn.Linear(10, 6, dtype=torch.float64)
-    ours = LoRALinear(copy.deepcopy(base), r=3, alpha=6.0)
-    with torch.no_grad():
-        ours.B.normal_()
-    config = peft.LoraConfig(r=3, lora_alpha=6, lora_dropout=0.0)
-    theirs = peft.tuners.lora.Linear(copy.deepcopy(base), "default", config, r=3, lora_alpha=6)
-    with torch.no_grad():
-        theirs.lora_A["default"].weight.copy_(ours.A)
-        theirs.lora_B["default"].weight.copy_(ours.B)
-    x = torch.randn(4, 10, dtype=torch.float64)
-    with torch.no_grad():
-        expected = forward_solution(x, base.weight, base.bias, ours.A, ours.B, 6.0)
-        torch.testing.assert_close(ours(x), expected, rtol=0, atol=1e-12)
-        torch.testing.assert_close(theirs(x), expected, rtol=0, atol=1e-12)
-        ours.merge()
-        torch.testing.assert_close(ours.base.weight, merge_solution(base.weight, ours.A, ours.B, 6.0),
-                                   rtol=0, atol=1e-13)
 
 
 def test_the_count_formula_is_what_attach_lora_trains():
@@ -178,26 +182,79 @@ def test_the_labels_are_groundup_instructions():
         assert torch.equal(labels_solution(ids, p), labels)
 
 
-# --- wrong answers get the hint that names the mistake ----------------------------------------------------------
+# --- Exercise 13.1: rsLoRA ----------------------------------------------------------------------------------------
+
+
+def peft_rslora_layer(peft, base, A, B, alpha):
+    r = A.shape[0]
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, use_rslora=True)
+    layer = peft.tuners.lora.Linear(copy.deepcopy(base), "default", config, r=r, lora_alpha=alpha)
+    with torch.no_grad():
+        layer.lora_A["default"].weight.copy_(A)
+        layer.lora_B["default"].weight.copy_(B)
+    return layer
+
+
+@pytest.mark.parametrize("d_in, d_out, r, alpha", [(4, 4, 4, 6.0), (10, 6, 2, 5.0), (32, 24, 16, 16.0),
+                                                   (16, 12, 9, 2.0), (20, 20, 1, 1.0)])
+def test_the_rslora_solution_is_peft_use_rslora(d_in, d_out, r, alpha):
+    peft = pytest.importorskip("peft")
+    g = torch.Generator().manual_seed(r)
+    base = nn.Linear(d_in, d_out, dtype=torch.float64)
+    A = torch.randn(r, d_in, generator=g, dtype=torch.float64)
+    B = torch.randn(d_out, r, generator=g, dtype=torch.float64)
+    theirs = peft_rslora_layer(peft, base, A, B, alpha)
+    assert theirs.scaling["default"] == pytest.approx(alpha / math.sqrt(r), rel=1e-15)
+    x = torch.randn(2, 3, d_in, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        expected = theirs(x)
+        ours = rslora_solution(x, base.weight, base.bias, A, B, alpha)
+        plain = x @ base.weight.T + base.bias + (alpha / r) * (x @ A.T) @ B.T
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)
+    if r > 1:  # the comparison can tell rsLoRA's scale from LoRA's
+        assert (plain - expected).abs().max() > 1e-3
+
+
+def test_a_float32_rslora_answer_passes(capsys):
+    def in_float32(x, W, b, A, B, alpha):
+        return rslora_solution(*(t.float() for t in (x, W, b, A, B)), alpha)
+
+    ok, out = verdict(check_rslora_forward, in_float32, capsys)
+    assert ok, out
 
 
 @pytest.mark.parametrize("wrong, words", [
+    (lambda x, W, b, A, B, alpha: x @ W.T + b + (alpha / A.shape[0]) * (x @ A.T) @ B.T, "plain LoRA's scale"),
+    (lambda x, W, b, A, B, alpha: x @ W.T + b + (alpha / A.shape[0] ** 1 / 2) * (x @ A.T) @ B.T, "binds tighter"),
+    (lambda x, W, b, A, B, alpha: x @ W.T + b + math.sqrt(alpha / A.shape[0]) * (x @ A.T) @ B.T, "rank alone"),
     (lambda x, W, b, A, B, alpha: x @ W.T + b + (x @ A.T) @ B.T, "left the scale out"),
-    (lambda x, W, b, A, B, alpha: x @ W.T + b + alpha * (x @ A.T) @ B.T, "not alpha."),
-    (lambda x, W, b, A, B, alpha: x @ W.T + (alpha / A.shape[0]) * (x @ A.T) @ B.T, "bias"),
-    (lambda x, W, b, A, B, alpha: (alpha / A.shape[0]) * (x @ A.T) @ B.T, "not used instead"),
-    (lambda x, W, b, A, B, alpha: x @ W.T + b + (alpha / W.shape[0]) * (x @ A.T) @ B.T, "not by d_out"),
-    (lambda x, W, b, A, B, alpha: x @ W.T + b + (alpha / W.shape[1]) * (x @ A.T) @ B.T, "not by d_in"),
+    (lambda x, W, b, A, B, alpha: x @ W.T + (alpha / math.sqrt(A.shape[0])) * (x @ A.T) @ B.T, "bias"),
+    (lambda x, W, b, A, B, alpha: (alpha / math.sqrt(A.shape[0])) * (x @ A.T) @ B.T, "not used instead"),
+    (lambda x, W, b, A, B, alpha: x @ W + b + (alpha / math.sqrt(A.shape[0])) * (x @ A.T) @ B.T, "x @ W.T"),
+    (lambda x, W, b, A, B, alpha: x @ W.T + b + (alpha / math.sqrt(A.shape[0])) * (x @ A) @ B, "hides a transpose"),
+    (lambda x, W, b, A, B, alpha: x @ W.T + b + (alpha / math.sqrt(W.shape[1])) * (x @ A.T) @ B.T, "not d_in"),
+    (lambda x, W, b, A, B, alpha: x.mm(W.T) + b + (alpha / math.sqrt(A.shape[0])) * x.mm(A.T).mm(B.T), "torch.mm"),
 ])
-def test_forward_mistakes_are_named(wrong, words, capsys):
-    ok, out = verdict(check_lora_forward, wrong, capsys)
-    assert not ok and words in out, out
+def test_rslora_mistakes_are_named(wrong, words, capsys):
+    ok, out = verdict(check_rslora_forward, wrong, capsys)
+    assert not ok and words in " ".join(out.split()), out  # the verdict is wrapped to 80 columns
 
 
-def test_forward_calling_the_package_is_refused(capsys):
+def test_rslora_shape_errors_get_a_hint(capsys):
+    def transposed_after_the_square_case(x, W, b, A, B, alpha):
+        if A.shape[0] == W.shape[0] == W.shape[1]:
+            return rslora_solution(x, W, b, A, B, alpha)
+        return x @ W.T + b + (alpha / math.sqrt(A.shape[0])) * (x @ A.T) @ B
+
+    ok, out = verdict(check_rslora_forward, transposed_after_the_square_case, capsys)
+    assert not ok and "shapes cannot be multiplied" in out and "Check the shapes" in out, out
+
+
+def test_rslora_with_the_packages_layer_is_refused(capsys):
     def package(x, W, b, A, B, alpha):
         base = nn.Linear(W.shape[1], W.shape[0], dtype=W.dtype)
         layer = LoRALinear(base, A.shape[0], alpha)
+        layer.scale = alpha / math.sqrt(A.shape[0])
         with torch.no_grad():
             base.weight.copy_(W)
             base.bias.copy_(b)
@@ -205,62 +262,285 @@ def test_forward_calling_the_package_is_refused(capsys):
             layer.B.copy_(B)
             return layer(x)
 
-    ok, out = verdict(check_lora_forward, package, capsys)
+    ok, out = verdict(check_rslora_forward, package, capsys)
     assert not ok and "groundup.lora" in out, out
 
 
-def test_forward_calling_peft_is_refused(capsys):
+def test_rslora_with_peft_is_refused(capsys):
     peft = pytest.importorskip("peft")
 
     def with_peft(x, W, b, A, B, alpha):
         base = nn.Linear(W.shape[1], W.shape[0], dtype=W.dtype)
-        config = peft.LoraConfig(r=A.shape[0], lora_alpha=alpha)
-        layer = peft.tuners.lora.Linear(base, "default", config, r=A.shape[0], lora_alpha=alpha)
         with torch.no_grad():
             base.weight.copy_(W)
             base.bias.copy_(b)
-            layer.lora_A["default"].weight.copy_(A)
-            layer.lora_B["default"].weight.copy_(B)
-            return layer(x)
+            return peft_rslora_layer(peft, base, A, B, alpha)(x)
 
-    ok, out = verdict(check_lora_forward, with_peft, capsys)
+    ok, out = verdict(check_rslora_forward, with_peft, capsys)
     assert not ok and "peft" in out, out
 
 
+def update_rms(alpha=16.0, d=256, ranks=(1, 4, 16, 64, 256)):
+    """Exercise 13.1 (b) as the hidden solution answers it: the RMS of scale * B A x for A, B and x of i.i.d.
+    standard-normal entries, under LoRA's scale alpha / r and rsLoRA's alpha / sqrt(r)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(d, 64, generator=g)  # 64 inputs, one a column
+    rms = {}
+    for r in ranks:
+        A, B = torch.randn(r, d, generator=g), torch.randn(d, r, generator=g)
+        u = (B @ (A @ x)).pow(2).mean().sqrt().item()
+        rms[r] = ((alpha / r) * u, (alpha / math.sqrt(r)) * u)
+    return rms
+
+
+def test_the_update_rms_answers_13_1b():
+    # E|B A x|^2 per entry is r d: the RMS is alpha sqrt(d / r) under alpha / r and alpha sqrt(d) under rsLoRA
+    rms = update_rms()
+    for r, (lora, rslora) in rms.items():
+        assert lora == pytest.approx(16 * math.sqrt(256 / r), rel=0.1)
+        assert rslora == pytest.approx(16 * 16, rel=0.1)
+    assert rms[256][0] < rms[1][0] / 10
+
+
+# --- Exercise 13.2: swapping adapters in place ------------------------------------------------------------------
+
+
+def swap_case(seed, d_out=24, d_in=10, r1=4, r2=2, alpha=8.0):
+    from groundup.exercises import ch13
+
+    return ch13._swap_case(torch.Generator().manual_seed(seed), d_out, d_in, r1, r2, alpha), alpha
+
+
+def test_the_swap_is_groundups_unmerge_then_merge():
+    from groundup.exercises import ch13
+
+    case, alpha = swap_case(0)
+    base = nn.Linear(10, 24)
+    with torch.no_grad():
+        base.weight.copy_(case["base"])
+    old = LoRALinear(base, 4, alpha)
+    with torch.no_grad():
+        old.A.copy_(case["A1"])
+        old.B.copy_(case["B1"])
+    old.merge()
+    W = base.weight.detach().clone()
+    old.unmerge()
+    # merge then unmerge is not exact in float32: why the checker allows rounding
+    assert not torch.equal(base.weight, case["base"])
+    assert torch.allclose(base.weight, case["base"], rtol=0, atol=1e-6)
+    new = LoRALinear(base, 2, alpha)
+    with torch.no_grad():
+        new.A.copy_(case["A2"])
+        new.B.copy_(case["B2"])
+    new.merge()
+    swap_solution(W, (case["A1"], case["B1"]), (case["A2"], case["B2"]), alpha)
+    bound = ch13._rounding_bound(case, alpha)
+    expected = case["base"].double() + (alpha / 2) * case["B2"].double() @ case["A2"].double()
+    for w in (W, base.weight.detach()):
+        assert bool(((w.double() - expected).abs() <= bound).all())
+    assert (W.double() - expected).abs().max() > 0  # float32 rounding is there to allow for
+
+
+def subtract_then_add(W, old, new, alpha):
+    (A1, B1), (A2, B2) = old, new
+    with torch.no_grad():
+        W -= (alpha / A1.shape[0]) * (B1 @ A1)
+        W += (alpha / A2.shape[0]) * (B2 @ A2)
+
+
+def one_update(W, old, new, alpha):
+    (A1, B1), (A2, B2) = old, new
+    with torch.no_grad():
+        W += (alpha / A2.shape[0]) * (B2 @ A2) - (alpha / A1.shape[0]) * (B1 @ A1)
+
+
+def in_float64(W, old, new, alpha):
+    (A1, B1), (A2, B2) = ((a.double(), b.double()) for a, b in (old, new))
+    with torch.no_grad():
+        W.copy_(W.double() - (alpha / A1.shape[0]) * (B1 @ A1) + (alpha / A2.shape[0]) * (B2 @ A2))
+
+
+def through_data(W, old, new, alpha):
+    (A1, B1), (A2, B2) = old, new
+    W.data.sub_(B1 @ A1, alpha=alpha / A1.shape[0]).add_(B2 @ A2, alpha=alpha / A2.shape[0])
+
+
+def returning_w(W, old, new, alpha):
+    subtract_then_add(W, old, new, alpha)
+    return W
+
+
+HONEST_SWAPS = [swap_solution, subtract_then_add, one_update, in_float64, through_data]
+
+
+@pytest.mark.parametrize("swap", HONEST_SWAPS + [returning_w])
+def test_honest_swaps_pass(swap, capsys):
+    ok, out = verdict(check_adapter_swap, swap, capsys)
+    assert ok, out
+
+
+def test_the_rounding_bound_holds_honest_swaps_and_not_the_mistakes():
+    from groundup.exercises import ch13
+
+    distinct = 0
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        d_out, d_in = (int(v) for v in torch.randint(2, 40, (2,), generator=g))
+        r1, r2 = (int(v) for v in torch.randint(1, min(d_out, d_in) + 1, (2,), generator=g))
+        alpha = float(torch.randint(1, 33, (), generator=g))
+        case = ch13._swap_case(g, d_out, d_in, r1, r2, alpha)
+        bound = ch13._rounding_bound(case, alpha)
+        expected = case["base"].double() + (alpha / r2) * case["B2"].double() @ case["A2"].double()
+        for swap in HONEST_SWAPS:
+            W = case["merged"].clone()
+            swap(W, (case["A1"], case["B1"]), (case["A2"], case["B2"]), alpha)
+            assert bool(((W.double() - expected).abs() <= bound).all()), (seed, swap.__name__)
+        for hint, value in ch13._swap_wrong(case, alpha):
+            # the mistake's distance from the answer: W's rounding only where the mistake makes no difference
+            # (r1 == r2 for the scales, alpha / r = 1 with the scales left out)
+            off = (value - expected).abs().max()
+            assert off < 1e-5 or not bool(((value - expected).abs() <= bound).all()), (seed, hint)
+            distinct += off >= 1e-5
+    assert distinct > 300  # of 400 mistakes, most change W
+    assert (bound / case["merged"].double().abs().clamp_min(1e-3)).max() < 1e-4  # a tolerance of float32 size
+
+
+def not_removing(W, old, new, alpha):
+    (A2, B2) = new
+    with torch.no_grad():
+        W += (alpha / A2.shape[0]) * (B2 @ A2)
+
+
+def one_scale(W, old, new, alpha):
+    (A1, B1), (A2, B2) = old, new
+    r = A2.shape[0]
+    with torch.no_grad():
+        W -= (alpha / r) * (B1 @ A1)
+        W += (alpha / r) * (B2 @ A2)
+
+
+def signs_swapped(W, old, new, alpha):
+    (A1, B1), (A2, B2) = old, new
+    with torch.no_grad():
+        W += (alpha / A1.shape[0]) * (B1 @ A1)
+        W -= (alpha / A2.shape[0]) * (B2 @ A2)
+
+
+def new_tensor(W, old, new, alpha):
+    (A1, B1), (A2, B2) = old, new
+    return W - (alpha / A1.shape[0]) * (B1 @ A1) + (alpha / A2.shape[0]) * (B2 @ A2)
+
+
+def rebinding(W, old, new, alpha):
+    (A1, B1), (A2, B2) = old, new
+    W = W - (alpha / A1.shape[0]) * (B1 @ A1) + (alpha / A2.shape[0]) * (B2 @ A2)  # noqa: F841 -- the mistake
+
+
+def without_no_grad(W, old, new, alpha):
+    (A1, B1), (A2, B2) = old, new
+    W -= (alpha / A1.shape[0]) * (B1 @ A1)
+    W += (alpha / A2.shape[0]) * (B2 @ A2)
+
+
+def gradients_off(W, old, new, alpha):
+    W.requires_grad_(False)
+    without_no_grad(W, old, new, alpha)
+
+
+def new_memory(W, old, new, alpha):
+    W.data = new_tensor(W.detach(), old, new, alpha)
+
+
+def and_a_copy(W, old, new, alpha):
+    swap_solution(W, old, new, alpha)
+    return W.clone()
+
+
+def scaled_adapters(W, old, new, alpha):
+    (A1, B1), (A2, B2) = old, new
+    B1 *= alpha / A1.shape[0]
+    B2 *= alpha / A2.shape[0]
+    with torch.no_grad():
+        W.addmm_(B1, A1, alpha=-1.0).addmm_(B2, A2)
+
+
+def transposed(W, old, new, alpha):
+    (A1, B1), (A2, B2) = old, new
+    with torch.no_grad():
+        W -= (alpha / A1.shape[0]) * (A1.T @ B1.T)
+        W += (alpha / A2.shape[0]) * (A2.T @ B2.T)
+
+
 @pytest.mark.parametrize("wrong, words", [
-    (lambda W, A, B, alpha: W + B @ A, "left the scale out"),
-    (lambda W, A, B, alpha: (alpha / A.shape[0]) * B @ A, "not the update alone"),
-    (lambda W, A, B, alpha: W - (alpha / A.shape[0]) * B @ A, "merging adds"),
-    (lambda W, A, B, alpha: (W + (alpha / A.shape[0]) * B @ A).T, "transpose"),
-    (lambda W, A, B, alpha: W + (alpha / W.shape[0]) * B @ A, "not by d_out"),
+    (not_removing, "Take the old adapter out first"),
+    (one_scale, "its own scale"),
+    (signs_swapped, "Subtract the old adapter's update"),
+    (new_tensor, "returned a new tensor and left W as it was"),
+    (rebinding, "only rebinds the name W"),
+    (without_no_grad, "torch.no_grad()"),
+    (gradients_off, "Leave requires_grad as it is"),
+    (new_memory, "no longer uses its own memory"),
+    (and_a_copy, "return nothing"),
+    (scaled_adapters, "Leave A1, B1, A2 and B2 as they are"),
+    (transposed, "B1 @ A1 has W's shape"),
+    (lambda W, old, new, alpha: None, "left W as it was"),
 ])
-def test_merge_mistakes_are_named(wrong, words, capsys):
-    ok, out = verdict(check_merge, wrong, capsys)
-    assert not ok and words in out, out
+def test_swap_mistakes_are_named(wrong, words, capsys):
+    ok, out = verdict(check_adapter_swap, wrong, capsys)
+    assert not ok and words in " ".join(out.split()), out  # the verdict is wrapped to 80 columns
 
 
-def test_merge_in_place_is_reported(capsys):
-    def in_place(W, A, B, alpha):
-        W += (alpha / A.shape[0]) * B @ A
-        return W
+def test_swap_with_the_packages_merge_is_refused(capsys):
+    def package(W, old, new, alpha):
+        layer = nn.Linear(W.shape[1], W.shape[0], bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(W)
+        for (A, B), unmerge in ((old, True), (new, False)):
+            adapter = LoRALinear(layer, A.shape[0], alpha)
+            with torch.no_grad():
+                adapter.A.copy_(A)
+                adapter.B.copy_(B)
+            if unmerge:
+                adapter.merged = True
+                adapter.unmerge()
+            else:
+                adapter.merge()
+        with torch.no_grad():
+            W.copy_(layer.weight)
 
-    ok, out = verdict(check_merge, in_place, capsys)
-    assert not ok and "in place" in out, out
+    ok, out = verdict(check_adapter_swap, package, capsys)
+    assert not ok and "groundup.lora.LoRALinear.unmerge" in out, out
 
 
-def test_merge_through_the_package_is_refused(capsys):
-    def package(W, A, B, alpha):
-        base = nn.Linear(W.shape[1], W.shape[0], dtype=W.dtype)
-        layer = LoRALinear(base, A.shape[0], alpha)
+def test_swap_with_peft_is_refused(capsys):
+    peft = pytest.importorskip("peft")
+
+    def with_peft(W, old, new, alpha):
+        base = nn.Linear(W.shape[1], W.shape[0], bias=False)
         with torch.no_grad():
             base.weight.copy_(W)
-            layer.A.copy_(A)
-            layer.B.copy_(B)
-        layer.merge()
-        return base.weight.detach().clone()
+        layer = peft.tuners.lora.Linear(base, "old", peft.LoraConfig(r=old[0].shape[0], lora_alpha=alpha),
+                                        r=old[0].shape[0], lora_alpha=alpha)
+        with torch.no_grad():
+            layer.lora_A["old"].weight.copy_(old[0])
+            layer.lora_B["old"].weight.copy_(old[1])
+            W -= layer.get_delta_weight("old")
+            W += (alpha / new[0].shape[0]) * new[1] @ new[0]
 
-    ok, out = verdict(check_merge, package, capsys)
-    assert not ok and "groundup.lora" in out, out
+    ok, out = verdict(check_adapter_swap, with_peft, capsys)
+    assert not ok and "peft" in out, out
+
+
+def test_swap_checkers_own_failure_is_not_blamed_on_the_reader(monkeypatch, capsys):
+    from groundup.exercises import ch13
+
+    monkeypatch.setattr(ch13, "_swap_report", math.sqrt)  # raises TypeError in the checker's part, after the swap
+    verdict_ = check_adapter_swap(swap_solution)
+    out = capsys.readouterr().out
+    assert not verdict_ and verdict_.checker_error and "bug in the book" in " ".join(out.split()), out
+
+
+# --- wrong answers get the hint that names the mistake ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("wrong, words", [
@@ -555,101 +835,128 @@ def test_surgery_checkers_own_failure_is_not_blamed_on_the_reader(monkeypatch, c
     assert not verdict_ and verdict_.checker_error and "bug in the book" in " ".join(out.split()), out
 
 
-# --- Exercise 13.8: a short tuning ------------------------------------------------------------------------------
+# --- Exercise 13.8: early stopping ------------------------------------------------------------------------------
 
 
-def test_the_tuning_reference_falls_and_its_merge_is_merge_lora():
+def test_the_stopping_tasks_rise_then_fall():
     from groundup.exercises import ch13
 
-    head, body = ch13._tuned_head()
-    ids, labels = ch13._toy_task(32, seed=0)
-    (steps, lr, _), (short, short_lr, _) = ch13._TRAINING_CASES
-    losses, reference = ch13._training_run(head, ids, labels, steps, lr)
-    tuned = copy.deepcopy(head)
-    assert training_solution(tuned, ids, labels, steps, lr) == losses[:-1]  # the same loop, bit for bit
-    assert losses[0] == pytest.approx(math.log(2)) and losses[steps - 1] < 0.01
-    for name, p in tuned.named_parameters():
-        assert torch.equal(p, reference[name])
-    decayed = ch13._training_run(head, ids, labels, steps, lr, weight_decay=0.01)[0]
-    assert not ch13._same_losses(decayed[:-1], losses[:-1])  # the checker can tell weight decay apart
-    assert not ch13._same_losses(ch13._training_run(head, ids, labels, short, short_lr)[0][:-1],
-                                 ch13._training_run(head, ids, labels, short, short_lr, sgd=True)[0][:-1])
-    test_ids, _ = ch13._toy_task(64, seed=1)
-    merged = copy.deepcopy(tuned).eval()
-    merge_lora(merged.body)
-    with torch.no_grad():
-        torch.testing.assert_close(ch13._merged_head(head, body, tuned.state_dict()).eval()(test_ids),
-                                   merged(test_ids), rtol=1e-4, atol=1e-5)
+    ties = []
+    for n, flipped, seed, steps, every, lr in ch13._STOPPING_CASES:
+        head, data = ch13._stopping_head(seed), ch13._stopping_data(n, flipped, seed)
+        assert int((data[1] != data[0][:, 0].ge(5).long()).sum()) == flipped  # the noisy labels
+        assert torch.equal(data[3], data[2][:, 0].ge(5).long())  # clean held-out labels
+        assert any(m.p > 0 for m in head.modules() if isinstance(m, nn.Dropout))  # eval mode matters
+        record, final = ch13._stopping_run(head, *data, steps, lr, every)
+        held = [entry[1] for entry in record]
+        best_step, best_right, best = ch13._best(record)
+        assert [entry[0] for entry in record] == list(range(every, steps + 1, every))
+        assert held[0] < best_right - 5 and held[-1] < best_right - 4  # rises, then falls
+        assert every < best_step < steps - 2 * every
+        assert record[-1][2] > record[held.index(best_right)][2]  # meanwhile the training count keeps rising
+        ties.append(ch13._best(record, latest=True)[0] != best_step)
+        # the reference is the exercise's loop: the solution, seeded the same way, lands on it bit for bit
+        given = copy.deepcopy(head)
+        torch.manual_seed(ch13._STOPPING_SEED)
+        assert early_stopping_solution(given, *data, steps, lr, every) == (best_step, best_right)
+        trained = {k: p for k, p in given.named_parameters() if p.requires_grad}
+        assert trained.keys() == best.keys() and all(torch.equal(trained[k], best[k]) for k in best)
+        assert not all(torch.equal(final[k], best[k]) for k in best)  # restoring changes something
+        # every mistake the checker names leaves a head or a pair it can tell from the right one
+        for hint, pair, params in ch13._stopping_mistakes(head, data, steps, lr, every, record, final):
+            same = pair == (best_step, best_right) and all(torch.equal(params[k], best[k]) for k in best)
+            assert not same or "tie" in hint, hint  # only a case without a tie hides the tie's mistake
+    assert ties == [False, True]  # one case with a single best, one with a tie
 
 
-def trainer(*, record_after=False, weight_decay=0.0, unfreeze=False, sgd=False, zero_grad=True,
-            reduction="mean", extra_loss=False, as_tensors=False):
-    def train(head, ids, labels, steps, lr):
-        if unfreeze:
-            for p in head.parameters():
-                p.requires_grad_(True)
-        params = [p for p in head.parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD(params, lr=lr) if sgd else \
-            torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-        losses = []
-        for _ in range(steps):
-            loss = F.cross_entropy(head(ids), labels, reduction=reduction)
-            if zero_grad:
-                optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            if record_after:
-                with torch.no_grad():
-                    loss = F.cross_entropy(head(ids), labels)
-            losses.append(loss.detach() if as_tensors else loss.item())
-        if extra_loss:
-            with torch.no_grad():
-                losses.append(F.cross_entropy(head(ids), labels).item())
-        return losses
+def predicting(head, ids, labels, held_ids, held_labels, steps, lr, every):
+    """Counts with the chapter's predict (eval mode, no gradients, mode put back) and keeps a whole state dict."""
+    from groundup.classification import predict
 
-    return train
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
+                                  fused=True)
+    best_step, best_right, best = None, -1, None
+    for step in range(1, steps + 1):
+        loss = F.cross_entropy(head(ids), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % every == 0:
+            right = int((predict(head, held_ids) == held_labels).sum())
+            if right > best_right:
+                best_step, best_right, best = step, right, copy.deepcopy(head.state_dict())
+    head.load_state_dict(best)
+    return best_step, best_right
 
 
-class Sub(torch.Tensor):
-    pass
+def test_another_honest_early_stopping_passes(capsys):
+    ok, out = verdict(check_early_stopping, predicting, capsys)
+    assert ok, out
 
 
 @pytest.mark.parametrize("wrong, words", [
-    (trainer(record_after=True), "before its update"),
-    (trainer(weight_decay=0.01), "weight_decay=0.0"),
-    (trainer(unfreeze=True), "Train only the parameters that require gradients"),
-    (trainer(sgd=True), "not SGD"),
-    (trainer(zero_grad=False), "zero_grad() every step"),
-    (trainer(reduction="sum"), "not the sum"),
-    (trainer(extra_loss=True), "not asked for"),
-    (trainer(as_tensors=True), "loss.item()"),
-    (lambda *args: torch.tensor(training_solution(*args)), "returned a tensor"),
-    (lambda *args: [torch.tensor(x).as_subclass(Sub) for x in training_solution(*args)], "subclass"),
-    (lambda *args: [str(x) for x in training_solution(*args)], "as numbers"),
-    (lambda head, *args: training_solution(copy.deepcopy(head), *args), "in place"),
-    (lambda *args: training_solution(*args) and None, "forget the `return`"),
+    (stopper(restore=False), "still holds the parameters of the last step"),
+    (stopper(clone=False), "must be a clone"),
+    (stopper(ties="latest"), "earliest step"),
+    (stopper(count_on="train"), "not the training batch"),
+    (stopper(eval_mode=False), "Count in eval mode"),
+    (stopper(back_to_train=False), "back in train mode"),
+    (stopper(fraction=True), "not the accuracy"),
+    (stopper(from_zero=True), "Steps count from 1"),
+    (stopper(unfreeze=True), "Train only the parameters that require gradients"),
+    (stopper(on_a_copy=True), "Train the head you are given"),
+    (stopper(last=True), "not the last step's"),
+    (stopper(weight_decay=0.01), "weight_decay=0.0"),
+    (lambda *args: early_stopping_solution(*args) and None, "forget the `return`"),
+    (lambda *args: list(early_stopping_solution(*args)) + [0], "expected 2"),
 ])
-def test_training_mistakes_are_named(wrong, words, capsys):
-    ok, out = verdict(check_adapter_training, wrong, capsys)
+def test_early_stopping_mistakes_are_named(wrong, words, capsys):
+    ok, out = verdict(check_early_stopping, wrong, capsys)
     assert not ok and words in " ".join(out.split()), out  # the verdict is wrapped to 80 columns
 
 
-def test_training_with_fine_tune_is_refused(capsys):
+def test_early_stopping_with_fine_tune_is_refused(capsys):
     from groundup.classification import fine_tune
 
-    def with_fine_tune(head, ids, labels, steps, lr):
+    def with_fine_tune(head, ids, labels, held_ids, held_labels, steps, lr, every):
         fine_tune(head, ids, labels, steps=steps, batch_size=len(ids), lr=lr)
-        return [0.0] * steps
+        return every, 0
 
-    ok, out = verdict(check_adapter_training, with_fine_tune, capsys)
+    ok, out = verdict(check_early_stopping, with_fine_tune, capsys)
     assert not ok and "fine_tune" in out, out
 
 
-def test_training_with_a_merge_is_refused(capsys):
-    def and_merge(head, ids, labels, steps, lr):
-        losses = training_solution(head, ids, labels, steps, lr)
-        merge_lora(head.body)
-        return losses
+def test_early_stopping_with_training_train_is_refused(capsys):
+    from groundup import training
 
-    ok, out = verdict(check_adapter_training, and_merge, capsys)
-    assert not ok and "merge_lora" in out, out
+    def with_train(head, *args):
+        try:
+            training.train(head, None, None)
+        except (TypeError, AttributeError, ValueError):
+            pass
+        return early_stopping_solution(head, *args)
+
+    ok, out = verdict(check_early_stopping, with_train, capsys)
+    assert not ok and "train" in out and "calls" in out, out
+
+
+def test_early_stopping_is_bounded_in_time(monkeypatch, capsys):
+    from groundup.exercises import checking
+
+    monkeypatch.setattr(checking, "DEFAULT_TIMEOUT", 1.0)
+
+    def forever(head, ids, *args):
+        while True:
+            head(ids)
+
+    ok, out = verdict(check_early_stopping, forever, capsys)
+    assert not ok and "did not finish within 1 s" in out, out
+
+
+def test_early_stopping_checkers_own_failure_is_not_blamed_on_the_reader(monkeypatch, capsys):
+    from groundup.exercises import ch13
+
+    monkeypatch.setattr(ch13, "_state", math.sqrt)  # raises TypeError in the checker's part, after the training
+    verdict_ = check_early_stopping(early_stopping_solution)
+    out = capsys.readouterr().out
+    assert not verdict_ and verdict_.checker_error and "bug in the book" in " ".join(out.split()), out
