@@ -358,6 +358,11 @@ def test_nbval_lanes_run_the_unit_tests_in_the_callers_arithmetic(tmp_path, monk
     assert jobs["unit tests"].env["ATEN_CPU_CAPABILITY"] == "avx2"  # the package is tested on the fastest kernels
     assert jobs["01_b.ipynb"].env["ATEN_CPU_CAPABILITY"] == "default"
     assert jobs["unit tests"].command[-3:] == ["pytest", "tests", "-q"]
+    assert jobs["unit tests"].env["OMP_NUM_THREADS"] == "1"  # one core: the other trains the model
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a count the caller chose is kept
+    jobs = {j.name: j for j in nbval_lanes.jobs_for([tmp_path / "01_b.ipynb"], ["-q"], ["tests", "-q"])}
+    assert jobs["unit tests"].env["OMP_NUM_THREADS"] == "2"
+    assert jobs["01_b.ipynb"].env["OMP_NUM_THREADS"] == "2"
 
 
 def test_nbval_lanes_run_only_the_notebooks_named(tmp_path, monkeypatch, capsys):

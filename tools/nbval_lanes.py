@@ -12,7 +12,8 @@ below) and caches; started before it is cached, each would train it again. So th
 two lanes, each lane taking the first job it may start whenever it is free:
 
 1. the chapter 7 model (one thread; a second or two when it is cached already);
-2. the unit tests (``--unit``), one pytest process on the other core;
+2. the unit tests (``--unit``), one pytest process on the other core, with one thread (``OMP_NUM_THREADS=1`` unless
+   the caller set it): beside the model's one thread, a second would only contend for the model's core;
 3. each notebook that does not need the model, one pytest process each (longest first: ``EXPECTED_SECONDS``);
 4. each notebook that needs it, once job 1 has succeeded (longest first).
 
@@ -284,7 +285,7 @@ def jobs_for(notebooks: list[Path], pytest_args: list[str], unit_args: list[str]
         jobs.append(trained)
     if unit_args is not None:
         jobs.append(Job("unit tests", [sys.executable, "-m", "pytest", *unit_args],
-                        {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}))
+                        {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", **os.environ}))
     command = [sys.executable, "-m", "pytest", *pytest_args]
     jobs += [Job(p.name, [*command, str(p)], env) for p in others]
     jobs += [Job(p.name, [*command, str(p)], env, after=trained) for p in model]
