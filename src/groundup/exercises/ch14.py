@@ -333,13 +333,13 @@ def check_zero_ablation(fn: Callable) -> Verdict:
 
 
 def k_composition(w_qk: torch.Tensor, w_ov: torch.Tensor) -> float:
-    """The composition score of equation (14.6): ``||W_QK W_OV||_F / (||W_QK||_F ||W_OV||_F)``."""
+    """The composition score of equation (14.7): ``||W_QK W_OV||_F / (||W_QK||_F ||W_OV||_F)``."""
     return float(torch.linalg.matrix_norm(w_qk @ w_ov) / (torch.linalg.matrix_norm(w_qk)
                                                           * torch.linalg.matrix_norm(w_ov)))
 
 
 def check_k_composition(fn: Callable) -> Verdict:
-    """Exercise 14.3: ``fn(W_QK, W_OV) -> float``, the K-composition score (14.6) of a later head's ``W_QK`` and an
+    """Exercise 14.3: ``fn(W_QK, W_OV) -> float``, the K-composition score (14.7) of a later head's ``W_QK`` and an
     earlier head's ``W_OV`` (both ``d_model x d_model``); the package's ``composition_scores`` is refused."""
     forbid = (interp.composition_scores, k_composition)
 
@@ -414,7 +414,7 @@ def _row(model: GPT, head: int, score, *, fold: bool = True) -> torch.Tensor:
 
 def check_k_composition_row(fn: Callable) -> Verdict:
     """Exercise 14.3, second part: ``fn(model, head) -> tensor (n_heads,)``, the row of the K-composition table
-    for head ``head`` of layer 0: entry ``j`` is the score (14.6) of layer 1's head ``j`` reading what head
+    for head ``head`` of layer 0: entry ``j`` is the score (14.7) of layer 1's head ``j`` reading what head
     ``head`` wrote, ``W_QK = W_Q.T @ W_K`` of head ``(1, j)`` and ``W_OV = W_O @ W_V`` of head ``(0, head)``, with
     each block's first norm folded in as ``interp.head_matrices`` does (use it with your ``my_k_composition``). Two
     random two-layer models whose norms have random gains (LayerNorm and RMSNorm); the package's
