@@ -353,6 +353,7 @@ def test_nbval_lanes_run_the_unit_tests_in_the_callers_arithmetic(tmp_path, monk
     monkeypatch.setattr(nbval_lanes, "NOTEBOOKS", tmp_path)
     (tmp_path / "01_b.ipynb").write_text("{}")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     jobs = {j.name: j for j in nbval_lanes.jobs_for([tmp_path / "01_b.ipynb"], ["-q"], ["tests", "-q"])}
     assert set(jobs) == {"unit tests", "01_b.ipynb"}, "no model job without a notebook that needs it"
     assert jobs["unit tests"].env["ATEN_CPU_CAPABILITY"] == "avx2"  # the package is tested on the fastest kernels
