@@ -334,8 +334,8 @@ def _command(entry, name):
     assert entry["threads"] == 1 and entry["mkl_cbwr"] == "COMPATIBLE" and entry["wall_seconds"] > 0
 
 
-def test_the_stored_measurements_are_the_three_entries():
-    assert sorted(MEASURED) == sorted(ch14_results.ENTRIES)
+def test_the_stored_measurements_are_the_six_entries():
+    assert sorted(MEASURED) == sorted(ch14_results.ENTRIES + ch14_results.NEW_ENTRIES)
 
 
 def test_stored_smollm2_copying_is_complete_and_consistent():
@@ -408,3 +408,541 @@ def test_smollm2_copying_of_one_layer_recomputed(smollm2):
     found = ch14_results.copying_table(model, tokens, layers=[18])
     assert all(abs(a - b) <= 1 for a, b in zip(found["hits"][0], entry["hits"][18]))
     assert found["eigenvalue"][0] == pytest.approx(entry["eigenvalue"][18], abs=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 39, items 3 and 4: SmolLM2's circuit tested (the tools, on tiny random models; then the stored entries)
+
+NEW = ch14_results.NEW_ENTRIES
+
+
+def _tiny_gpt(seed=0, **over):
+    """A small random model shaped like SmolLM2: RoPE, RMSNorm, SwiGLU, grouped-query attention, tied, no biases."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=40, context_length=16, d_model=32, n_layers=4, n_heads=8, n_kv_heads=2,
+                  positional="rope", norm="rmsnorm", activation="swiglu", bias=False, tie_weights=True)
+    return GPT(GPTConfig(**{**config, **over})).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    model = _tiny_gpt()
+    tokens = repeated_random_tokens(6, 6, 40, torch.Generator().manual_seed(1))
+    return model, tokens, ch14_results.clean_run(model, tokens)
+
+
+def test_run_from_any_stream_entry_is_the_forward_pass(tiny_gpt):
+    model, tokens, run = tiny_gpt
+    stream = run["stream"]
+    for layer in range(len(stream)):
+        assert torch.equal(ch14_results.run_from(model, stream[layer], layer), stream[-1])
+    # the tail of the sequence, the keys and values of the positions before it from a KV cache
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(tokens, cache=cache)
+    for layer, p in ((1, 5), (3, 11)):
+        caches = []
+        for c in cache[layer:]:
+            kv = ch14_results.KVCache()
+            kv.k, kv.v = c.k[..., :p, :], c.v[..., :p, :]
+            caches.append(kv)
+        tail = ch14_results.run_from(model, stream[layer][:, p:], layer, positions=torch.arange(p, 12), caches=caches)
+        torch.testing.assert_close(tail, stream[-1][:, p:], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="positions"):
+        ch14_results.run_from(_tiny_gpt(positional="alibi"), stream[1], 1)
+
+
+def test_sequence_losses_and_scores_average_to_the_packages(tiny_gpt):
+    model, tokens, run = tiny_gpt
+    losses = ch14_results.sequence_losses(model, run["stream"][-1], tokens)
+    assert losses.shape == (6,)
+    assert float(losses.mean()) == pytest.approx(in_context_loss(model, tokens), abs=1e-6)
+    for k in range(6):  # each sequence's loss is in_context_loss on that sequence alone
+        assert float(losses[k]) == pytest.approx(in_context_loss(model, tokens[k:k + 1]), abs=1e-5)
+    for pattern in run["patterns"]:
+        per = ch14_results.sequence_induction_scores(pattern)
+        assert per.shape == (6, 8)
+        torch.testing.assert_close(per.mean(0), interp.induction_scores(pattern))
+        torch.testing.assert_close(per[2], interp.induction_scores(pattern[2:3]))
+        torch.testing.assert_close(ch14_results.sequence_induction_scores(pattern[:, 3]), per[:, 3])
+
+
+def test_head_direct_shares_are_the_package_attribution_on_the_repeat(tiny_gpt):
+    model, tokens, run = tiny_gpt
+    parts = interp.direct_logit_attribution(model, tokens, torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1),
+                                            centred=True)
+    for layer in range(4):
+        shares = ch14_results.head_direct_shares(model, run["stream"][-1], tokens, layer, run["outputs"][layer])
+        torch.testing.assert_close(shares, parts["heads"][layer][..., 6:11].mean(-1).T, atol=1e-5, rtol=1e-5)
+        one = ch14_results.head_direct_shares(model, run["stream"][-1], tokens, (layer, 5),
+                                              run["outputs"][layer][..., 5, :])
+        torch.testing.assert_close(one, shares[:, 5])
+
+
+def test_source_contribution_is_what_the_heads_add_to_the_stream(tiny_gpt):
+    model, tokens, run = tiny_gpt
+    # all heads of a block plus the rest (FFN) are the block's whole change to the stream; no biases here
+    heads = ch14_results.source_contribution(model, run["outputs"], [(1, h) for h in range(8)])
+    with torch.no_grad():
+        after_attention = run["stream"][1] + model.blocks[1].attention(
+            model.blocks[1].norm_1(run["stream"][1]), rotary=model.rotary, is_causal=True)
+    torch.testing.assert_close(run["stream"][1] + heads, after_attention, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ch14_results.source_contribution(model, run["outputs"], []), torch.zeros_like(heads))
+
+
+def test_removing_a_source_whose_output_is_zero_changes_nothing(tiny_gpt):
+    model, tokens, _ = tiny_gpt
+    quiet = copy.deepcopy(model)
+    with torch.no_grad():
+        quiet.blocks[0].attention.W_o.weight[:, 3 * 4:4 * 4] = 0.0  # head 0.3 writes nothing
+    run = ch14_results.clean_run(quiet, tokens)
+    removed = ch14_results.source_contribution(quiet, run["outputs"], [(0, 3)])
+    assert torch.equal(removed, torch.zeros_like(removed))
+    for paths in ("q", "k", "v", "qkv"):
+        with ch14_results.remove_from_head(quiet, removed, 2, 6, paths) as seen:
+            final = ch14_results.run_from(quiet, run["stream"][2], 2)
+        torch.testing.assert_close(final, run["stream"][-1], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(seen["pattern"], run["patterns"][2][:, 6], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(seen["z"], run["outputs"][2][..., 6, :], atol=1e-6, rtol=1e-6)
+        assert ch14_results.sequence_losses(quiet, final, tokens) == pytest.approx(run["loss"], abs=1e-5)
+
+
+def test_remove_from_head_is_remove_from_inputs_for_its_head_only(tiny_gpt):
+    model, tokens, run = tiny_gpt
+    removed = ch14_results.source_contribution(model, run["outputs"], [(0, 2)])
+    for path in "qkv":
+        with ch14_results.remove_from_head(model, removed, 2, 5, path) as seen:
+            outputs = interp.head_outputs(model, tokens)
+        # the package's version changes the whole block's inputs; head 2.5's pattern and output are the same
+        with interp.remove_from_inputs(model, (0, 2), 2, (path,)), interp.recording_attention(model, [2]) as rec:
+            whole = interp.head_outputs(model, tokens)
+        torch.testing.assert_close(seen["pattern"], rec[2][:, 5], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(seen["z"], whole[2][..., 5, :], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(outputs[2][..., 5, :], seen["z"])
+        # every other head of the block, its key/value neighbours 2.4, 2.6, 2.7 included, computes as before
+        others = [h for h in range(8) if h != 5]
+        torch.testing.assert_close(outputs[2][..., others, :], run["outputs"][2][..., others, :], atol=1e-6,
+                                   rtol=1e-6)
+        assert (seen["z"] - run["outputs"][2][..., 5, :]).abs().max() > 1e-6  # head 2.5 did change (rounding: 1e-8)
+        if path == "v":  # the values do not move the attention
+            torch.testing.assert_close(seen["pattern"], run["patterns"][2][:, 5], atol=1e-6, rtol=1e-6)
+        # the blocks before the head are untouched: the layers above see the new output only from block 2 on
+        for earlier in (0, 1):
+            assert torch.equal(outputs[earlier], run["outputs"][earlier])
+
+
+def test_removing_all_sources_of_the_queries_keys_and_values_equals_zeroing_them():
+    from groundup.induction import AttentionOnlyConfig
+
+    torch.manual_seed(3)
+    model = GPT(AttentionOnlyConfig(vocab_size=30, context_length=12, d_model=32, n_heads=4,
+                                    positional="rope")).eval()
+    tokens = repeated_random_tokens(5, 6, 30, torch.Generator().manual_seed(4))
+    run = ch14_results.clean_run(model, tokens)
+    removed = ch14_results.source_contribution(model, run["outputs"], [(0, h) for h in range(4)])
+    with interp.ablate_heads(model, [(0, h) for h in range(4)]):
+        patterns, outputs = interp.attention_patterns(model, tokens), interp.head_outputs(model, tokens)
+    for head in range(4):
+        with ch14_results.remove_from_head(model, removed, 1, head, "qkv") as seen:
+            model(tokens)
+        torch.testing.assert_close(seen["pattern"], patterns[1][:, head], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(seen["z"], outputs[1][..., head, :], atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="paths"):
+        with ch14_results.remove_from_head(model, removed, 1, 0, "x"):
+            pass
+
+
+def test_attention_profile_reads_the_four_places():
+    half = 4
+    pattern = torch.zeros(2, 8, 8)
+    for i in range(8):
+        pattern[0, i, max(i - half + 1, 0)] = 1.0  # an induction head (on the repeat)
+        pattern[1, i, i] = 0.5
+        pattern[1, i, 0] += 0.5
+    found = ch14_results.attention_profile(pattern)
+    assert found["next_of_earlier"].tolist() == [1.0, 0.0] and found["earlier_copy"].tolist() == [0.0, 0.0]
+    assert found["self"].tolist() == [0.0, 0.5] and found["first"].tolist() == [0.0, 0.5]
+    random = torch.softmax(torch.randn(3, 8, 8).masked_fill(~torch.ones(8, 8).tril().bool(), float("-inf")), -1)
+    found = ch14_results.attention_profile(random)
+    rows = range(half + 1, 2 * half)
+    assert found["earlier_copy"] == pytest.approx(torch.stack([random[:, i, i - half] for i in rows]).mean(0))
+    assert float(found["next_of_earlier"].mean()) == pytest.approx(
+        float(interp.induction_scores(random[:, None, :, :])) * 4 / 3 - float(random[:, half, 1].mean()) / 3)
+
+
+def test_draw_controls_gives_different_sets_from_the_pools():
+    pools = {3: [0, 1, 4, 5], 7: [2, 6]}
+    sets = ch14_results._draw_controls(pools, {3: 2, 7: 1}, 5, seed=0)
+    assert len(sets) == 5 and len({frozenset(s) for s in sets}) == 5
+    for chosen in sets:
+        assert [layer for layer, _ in chosen] == [3, 3, 7] and all(h in pools[layer] for layer, h in chosen)
+    assert len(ch14_results._draw_controls(pools, {3: 2, 7: 1}, 50, seed=0)) == 12  # C(4, 2) * 2
+    assert sets == ch14_results._draw_controls(pools, {3: 2, 7: 1}, 5, seed=0)
+    with pytest.raises(ValueError, match="layer 7"):
+        ch14_results._draw_controls(pools, {7: 3}, 1, seed=0)
+
+
+def test_summary_is_the_mean_sd_and_a_bootstrap_interval():
+    values = [1.0, 2.0, 4.0, 7.0]
+    found = ch14_results.summary(values)
+    assert found["n"] == 4 and found["mean"] == 3.5 and found["sd"] == pytest.approx(statistics.stdev(values), abs=1e-5)
+    assert 1.0 <= found["ci95"][0] < 3.5 < found["ci95"][1] <= 7.0
+    assert ch14_results.summary([2.0] * 5)["ci95"] == [2.0, 2.0]
+
+
+def test_induction_entry_on_a_tiny_model_stores_what_the_model_computes():
+    model = _tiny_gpt(seed=2, n_layers=3, vocab_size=50)
+    tokens = repeated_random_tokens(8, 6, 50, torch.Generator().manual_seed(11))
+    run = ch14_results.clean_run(model, tokens)
+    ind = torch.stack([ch14_results.sequence_induction_scores(p) for p in run["patterns"]]).mean(1)
+    cut = sorted(ind.flatten().tolist(), reverse=True)[1]  # the two best heads are "induction heads"
+    entry = ch14_results.induction_entry(model, n_seq=8, half_len=6, seed=11, mean_seed=12, baseline_seed=13,
+                                         pair=((2, 1), (2, 6)), n_controls=4, pair_controls=3, cut=cut,
+                                         control_max=1.0, log=lambda m: None)
+    json.dumps(entry)
+    assert len(entry["induction_heads"]) == 2 and entry["tokens"]["n_seq"] == 8
+    assert torch.tensor(entry["induction_mean"]) == pytest.approx(ind, abs=1e-5)
+    cond = entry["ablation"]["conditions"]
+    assert cond["none"]["loss"]["mean"] == pytest.approx(in_context_loss(model, tokens), abs=1e-4)
+    top5 = [tuple(map(int, h.split("."))) for h in entry["top5_induction"]]
+    with interp.ablate_heads(model, top5):
+        assert cond["top5_zero"]["loss"]["mean"] == pytest.approx(in_context_loss(model, tokens), abs=1e-4)
+    reference = repeated_random_tokens(8, 6, 50, torch.Generator().manual_seed(12))
+    with interp.ablate_heads(model, top5, mode="mean", means=interp.mean_head_outputs(model, reference,
+                                                                                      per_position=True)):
+        assert cond["top5_mean"]["loss"]["mean"] == pytest.approx(in_context_loss(model, tokens), abs=1e-4)
+    with interp.ablate_heads(model, [(2, 1), (2, 6)]):
+        assert cond["pair_zero"]["per_seq"] == pytest.approx(
+            [in_context_loss(model, tokens[k:k + 1]) for k in range(8)], abs=1e-3)
+    controls = [k for k in cond if k.startswith("control")]
+    assert len(controls) == 4 and all(len(cond[k]["heads"]) == 5 for k in controls)
+    for k in controls:  # the controls come from the top-5's layers, never an induction head or a top-5 head
+        assert sorted(h.split(".")[0] for h in cond[k]["heads"]) == sorted(h.split(".")[0] for h in
+                                                                           entry["top5_induction"])
+        assert not set(cond[k]["heads"]) & set(entry["top5_induction"] + entry["induction_heads"])
+        assert cond[k]["minus_none"]["mean"] == pytest.approx(cond[k]["loss"]["mean"] - cond["none"]["loss"]["mean"],
+                                                              abs=1e-4)
+    assert len([k for k in cond if k.startswith("pair_control")]) == 3
+    plain = torch.randint(0, 50, (8, 12), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad():
+        logits, _ = model(plain)
+    want = torch.nn.functional.cross_entropy(logits[:, 6:11].reshape(-1, 50), plain[:, 7:12].reshape(-1))
+    assert entry["baseline"]["loss"]["mean"] == pytest.approx(float(want), abs=1e-4)
+    assert entry["baseline"]["ln_vocab"] == pytest.approx(math.log(50), abs=1e-5)
+    for row in entry["heads"]:
+        layer, head = map(int, row["head"].split("."))
+        assert statistics.mean(row["induction_per_seq"]) == pytest.approx(float(ind[layer, head]), abs=1e-3)
+        assert row["dla"]["mean"] == pytest.approx(entry["dla_mean"][layer][head], abs=1e-4)
+    shares = torch.tensor(entry["dla_mean"])
+    assert entry["dla_heads"]["mean"] == pytest.approx(float(shares.sum()), abs=1e-3)
+    listed = {row["head"] for row in entry["heads"]}
+    assert set(entry["large_share_heads"]) <= listed and set(entry["induction_heads"]) <= listed
+    assert all(abs(shares[tuple(map(int, h.split(".")))]) >= ch14_results.LARGE_SHARE
+               for h in entry["large_share_heads"])
+
+
+def test_two_tier_entry_on_a_tiny_model_stores_what_the_removal_computes():
+    model = _tiny_gpt(seed=5, n_layers=4, vocab_size=50)
+    tokens = repeated_random_tokens(6, 6, 50, torch.Generator().manual_seed(21))
+    run = ch14_results.clean_run(model, tokens)
+    ind = torch.stack([ch14_results.sequence_induction_scores(p) for p in run["patterns"]]).mean(1)
+    cut = sorted(ind[:2].flatten().tolist(), reverse=True)[2]  # three sources in layers 0 and 1
+    entry = ch14_results.two_tier_entry(model, n_seq=6, half_len=6, seed=21, source_layers=(0, 1),
+                                        targets=((2, 3), (3, 1)), second_tier=((2, 3), (2, 4)), copier=(3, 1),
+                                        n_controls=2, cut=cut, control_max=1.0, log=lambda m: None)
+    json.dumps(entry)
+    sources = [tuple(map(int, h.split("."))) for h in entry["sources"]]
+    assert len(sources) == 3 and all(layer in (0, 1) for layer, _ in sources)
+    assert set(entry["targets"]) == {"2.3", "3.1"}
+    assert set(entry["targets"]["3.1"]["removals"]) > set(entry["targets"]["2.3"]["removals"])  # the second tier
+    for target, found in entry["targets"].items():
+        layer, head = map(int, target.split("."))
+        assert found["baseline"]["loss"]["mean"] == pytest.approx(in_context_loss(model, tokens), abs=1e-4)
+        assert found["baseline"]["induction"]["mean"] == pytest.approx(float(ind[layer, head]), abs=1e-4)
+        for key, removal in found["removals"].items():
+            set_name, path = key.split("/")
+            heads = [tuple(map(int, h.split("."))) for h in removal["sources"]]
+            assert heads == ([tuple(h) for h in sources] if set_name == "induction" else
+                             [tuple(map(int, h.split("."))) for h in entry["control_sets"][set_name]])
+            if set_name.startswith("control"):
+                assert not set(heads) & set(sources) and sorted(h[0] for h in heads) == sorted(h[0] for h in sources)
+            removed = ch14_results.source_contribution(model, run["outputs"], heads)
+            with ch14_results.remove_from_head(model, removed, layer, head, path) as seen:  # a whole forward pass
+                loss = in_context_loss(model, tokens)
+            assert removal["loss"]["mean"] == pytest.approx(loss, abs=1e-4)
+            assert removal["induction_per_seq"] == pytest.approx(
+                ch14_results.sequence_induction_scores(seen["pattern"]).tolist(), abs=1e-4)
+            assert removal["loss_minus_baseline"]["mean"] == pytest.approx(loss - found["baseline"]["loss"]["mean"],
+                                                                           abs=1e-4)
+        for attention in [found["baseline"]["attention"]] + [r["attention"] for r in found["removals"].values()]:
+            assert sorted(attention) == ["earlier_copy", "first", "next_of_earlier", "self"]
+            assert sum(a["mean"] for a in attention.values()) <= 1 + 1e-4
+    v = entry["targets"]["2.3"]["removals"]["induction/v"]
+    assert v["induction"]["mean"] == pytest.approx(entry["targets"]["2.3"]["baseline"]["induction"]["mean"],
+                                                   abs=1e-4)  # the values do not move the attention
+
+
+class _WordTokenizer:
+    """Words (with their leading space) as tokens, for the name-swap prompts on a tiny model."""
+
+    split = r" ?[^ ,]+|,"
+
+    def __init__(self, text):
+        import re
+
+        self.words = sorted(set(re.findall(self.split, text)))
+
+    def encode(self, text):
+        import re
+
+        return [self.words.index(w) for w in re.findall(self.split, text)]
+
+    def decode(self, ids):
+        return "".join(self.words[i] for i in ids)
+
+
+def test_patch_per_example_is_residual_patching_example_by_example(tiny_gpt):
+    model = tiny_gpt[0]
+    g = torch.Generator().manual_seed(9)
+    clean = torch.randint(0, 40, (5, 9), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 4] = (corrupted[:, 4] + 7) % 40
+    answer, wrong = torch.randint(0, 40, (5,), generator=g), torch.randint(0, 40, (5,), generator=g)
+    res = ch14_results.patch_per_example(model, clean, corrupted, answer, wrong)
+    assert res["positions"] == [4, 5, 6, 7, 8] and res["ld"].shape == (5, 5, 5)
+    assert res["patched"][0].tolist() == [True, False, False, False, False]  # the embeddings differ at 4 only
+    assert res["patched"][1:].all()
+    frac = ch14_results.fraction_restored(res["ld"], res["ld_source"], res["ld_target"])
+    torch.testing.assert_close(frac, interp.residual_patching(model, clean, corrupted, answer, wrong)[:, 4:],
+                               atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        ld_clean = interp.logit_difference(model(clean)[0], answer, wrong)
+        ld_corrupted = interp.logit_difference(model(corrupted)[0], answer, wrong)
+    torch.testing.assert_close(res["ld_source"], ld_clean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res["ld_target"], ld_corrupted, atol=1e-5, rtol=1e-5)
+    # the last entry at the last position is the logit itself: patched, it is the clean run's, exactly
+    assert torch.equal(res["ld"][-1, -1], res["ld_source"])
+    assert torch.equal(res["ld"][-1, :-1], res["ld_target"].expand(4, 5))  # earlier positions: read by nothing
+    assert torch.equal(res["ld"][0, 1:], res["ld_target"].expand(4, 5))  # equal embeddings: not run
+    # the embedding at the changed token turns the corrupted prompt into the clean one
+    torch.testing.assert_close(res["ld"][0, 0], res["ld_source"], atol=1e-5, rtol=1e-5)
+    # one example patched alone gives the same as in the batch
+    one = ch14_results.patch_per_example(model, clean[2:3], corrupted[2:3], answer[2:3], wrong[2:3])
+    torch.testing.assert_close(one["ld"][..., 0], res["ld"][..., 2], atol=1e-5, rtol=1e-5)
+    # and patching the clean stream at every position of any entry gives the clean logits exactly
+    stream = interp.residual_stream(model, clean)
+    for layer in range(5):
+        with interp.patch_residual(model, layer, stream[layer]), torch.no_grad():
+            assert torch.equal(interp.logit_difference(model(corrupted)[0], answer, wrong), ld_clean)
+
+
+def test_bootstrap_interval_of_the_fraction_restored():
+    ld = torch.tensor([[1.0, 2.0, 3.0, 2.5], [0.0, 0.0, 0.0, 0.0]])
+    src, tgt = torch.tensor([4.0, 4.0, 4.0, 4.0]), torch.tensor([0.0, 0.0, 0.0, 0.0])
+    frac = ch14_results.fraction_restored(ld, src, tgt)
+    assert frac.tolist() == [0.53125, 0.0]
+    ci = ch14_results._bootstrap_restored(ld, src, tgt)
+    assert ci.shape == (2, 2) and ci[0, 0] < 0.53125 < ci[0, 1] and ci[1].tolist() == [0.0, 0.0]
+
+
+def test_name_pairs_and_prompts():
+    pairs = ch14_results.name_pairs()
+    assert len(pairs) == ch14_results.IOI_PAIRS >= 50 and pairs[0] == ("Mary", "John")
+    assert len(set(pairs)) == len(pairs) and all(a != b and {a, b} <= set(ch14_results.NAMES) for a, b in pairs)
+    assert pairs == ch14_results.name_pairs()
+    tok = _WordTokenizer("When Mary and John went to the store, gave a drink to Tom Anna , John Mary Tom Anna")
+    clean, corrupted, answer, wrong = ch14_results.name_swap_prompts(tok, [("Mary", "John"), ("Tom", "Anna")],
+                                                                     ch14_results.TEMPLATES["ABBA"])
+    assert tok.decode(clean[0].tolist()) == "When Mary and John went to the store, John gave a drink to"
+    assert tok.decode(corrupted[0].tolist()) == "When Mary and John went to the store, Mary gave a drink to"
+    assert tok.decode(answer.tolist()) == " Mary Tom" and tok.decode(wrong.tolist()) == " John Anna"
+    clean, _, _, _ = ch14_results.name_swap_prompts(tok, [("Mary", "John")], ch14_results.TEMPLATES["BABA"])
+    assert tok.decode(clean[0].tolist()) == "When John and Mary went to the store, John gave a drink to"
+    with pytest.raises(ValueError, match="one token"):
+        ch14_results.name_swap_prompts(tok, [("Mary", "John Tom")], ch14_results.TEMPLATES["ABBA"])
+
+
+def test_name_swap_entry_on_a_tiny_model():
+    words = "When Mary and John went to the store, gave a drink to Tom Anna , John Mary Tom Anna"
+    tok = _WordTokenizer(words)
+    model = _tiny_gpt(seed=8, vocab_size=len(tok.words))
+    pairs = [("Mary", "John"), ("Tom", "Anna"), ("Anna", "Mary"), ("John", "Tom")]
+    entry = ch14_results.name_swap_entry(model, tok, pairs=pairs, log=lambda m: None)
+    json.dumps(entry)
+    assert entry["pairs"] == [list(p) for p in pairs]
+    for name, found in entry["by_template"].items():
+        clean, corrupted, answer, wrong = ch14_results.name_swap_prompts(tok, pairs, ch14_results.TEMPLATES[name])
+        with torch.no_grad():
+            ld_clean = interp.logit_difference(model(clean)[0], answer, wrong)
+            ld_corrupted = interp.logit_difference(model(corrupted)[0], answer, wrong)
+        den, noi = found["denoising"], found["noising"]
+        assert den["ld_source_per_pair"] == pytest.approx(ld_clean.tolist(), abs=2e-3)
+        assert den["ld_target_per_pair"] == pytest.approx(ld_corrupted.tolist(), abs=2e-3)
+        assert noi["ld_source_per_pair"] == den["ld_target_per_pair"]  # the roles swap
+        assert noi["ld_target_per_pair"] == den["ld_source_per_pair"]
+        assert den["positions"] == noi["positions"] == [9, 10, 11, 12, 13]
+        frac = interp.residual_patching(model, clean, corrupted, answer, wrong)[:, 9:]
+        assert torch.tensor(den["fraction"]) == pytest.approx(frac, abs=2e-3)
+        frac = interp.residual_patching(model, corrupted, clean, answer, wrong)[:, 9:]
+        assert torch.tensor(noi["fraction"]) == pytest.approx(frac, abs=2e-3)
+        assert den["fraction"][-1] == [0.0, 0.0, 0.0, 0.0, 1.0]  # the last entry: only the last position counts
+        assert found["clean_right"] == sum(x > 0 for x in ld_clean.tolist()) / 4
+    pooled = entry["pooled"]["denoising"]
+    assert pooled["n"] == 8 and len(pooled["fraction"]) == 5
+
+
+# ---- the stored entries of NEW_ENTRIES
+
+
+def _head(name):
+    return tuple(map(int, name.split(".")))
+
+
+def _summary_of(summary, values, abs=2e-4):
+    """``summary`` (of :func:`ch14_results.summary`) describes ``values`` (rounded to 4 digits)."""
+    assert summary["n"] == len(values)
+    assert summary["mean"] == pytest.approx(statistics.mean(values), abs=abs)
+    assert summary["sd"] == pytest.approx(statistics.stdev(values), abs=abs)
+    assert summary["ci95"][0] - abs <= summary["mean"] <= summary["ci95"][1] + abs
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_stored_new_entries_ran_under_the_notebooks_arithmetic(name):
+    from results_file import NOTEBOOK_ARITHMETIC
+
+    entry = MEASURED[name]
+    assert entry["command"] == f"OMP_NUM_THREADS=1 python tools/ch14_results.py --entry {name}"
+    assert entry["model"] == ch14_results.SMOLLM2 and "Q4_1" in entry["model"] and "float32" in entry["model"]
+    assert entry["machine"]["threads"] == 1 and entry["machine"]["arithmetic"] == NOTEBOOK_ARITHMETIC
+    assert entry["machine"]["cpu_capability"] == "DEFAULT" and entry["wall_seconds"] > 0
+
+
+def test_stored_smollm2_induction_is_complete_and_consistent():
+    e = MEASURED["smollm2-induction"]
+    n = ch14_results.SMOL_SEQ
+    assert e["tokens"]["n_seq"] == n >= 32 and e["tokens"]["seed"] == ch14_results.SMOL_SEED
+    ind, dla = torch.tensor(e["induction_mean"]), torch.tensor(e["dla_mean"])
+    assert ind.shape == dla.shape == (30, 9)
+    assert e["induction_heads"] == [f"{la}.{h}" for la, h in ch14_results.induction_heads(ind)]
+    assert e["top5_induction"] == [f"{la}.{h}" for la, h in ch14_results.induction_heads(ind, 0.0)[:5]]
+    assert set(e["large_share_heads"]) == {f"{la}.{h}" for la in range(30) for h in range(9)
+                                           if abs(dla[la, h]) >= ch14_results.LARGE_SHARE}
+    rows = {row["head"]: row for row in e["heads"]}
+    assert set(e["large_share_heads"]) | set(e["induction_heads"]) | {"23.2", "23.7"} <= set(rows)
+    for name, row in rows.items():
+        assert len(row["induction_per_seq"]) == len(row["dla_per_seq"]) == n
+        _summary_of(row["induction"], row["induction_per_seq"])
+        _summary_of(row["dla"], row["dla_per_seq"])
+        assert row["induction"]["mean"] == pytest.approx(float(ind[_head(name)]), abs=2e-4)
+        assert row["dla"]["mean"] == pytest.approx(float(dla[_head(name)]), abs=2e-4)
+    assert e["dla_heads"]["mean"] == pytest.approx(float(dla.sum()), abs=2e-3)
+    base = e["baseline"]
+    _summary_of(base["loss"], base["per_seq"])
+    assert base["ln_vocab"] == pytest.approx(math.log(49152), abs=1e-5)
+    cond = e["ablation"]["conditions"]
+    none = cond["none"]["per_seq"]
+    assert base["repeated"]["mean"] == cond["none"]["loss"]["mean"]
+    _summary_of(base["difference"], [a - b for a, b in zip(base["per_seq"], none)], abs=5e-4)
+    assert cond["top5_zero"]["heads"] == cond["top5_mean"]["heads"] == e["top5_induction"]
+    assert cond["pair_zero"]["heads"] == ["23.2", "23.7"]
+    controls = [k for k in cond if k.startswith("control")]
+    pairs = [k for k in cond if k.startswith("pair_control")]
+    assert len(controls) == ch14_results.N_CONTROLS >= 10 and 1 <= len(pairs) <= ch14_results.N_PAIR_CONTROLS
+    assert len({frozenset(cond[k]["heads"]) for k in controls}) == len(controls)
+    for k in controls + pairs:
+        heads = cond[k]["heads"]
+        assert all(ind[_head(h)] < ch14_results.CONTROL_MAX for h in heads)
+        want = e["top5_induction"] if k in controls else ["23.2", "23.7"]
+        assert sorted(h.split(".")[0] for h in heads) == sorted(h.split(".")[0] for h in want)
+    for c in cond.values():
+        assert len(c["per_seq"]) == n
+        _summary_of(c["loss"], c["per_seq"])
+        _summary_of(c["minus_none"], [a - b for a, b in zip(c["per_seq"], none)], abs=5e-4)
+
+
+def test_stored_smollm2_two_tier_is_complete_and_consistent():
+    e, ind_entry = MEASURED["smollm2-two-tier"], MEASURED["smollm2-induction"]
+    n = ch14_results.SMOL_SEQ
+    assert e["tokens"] == {k: ind_entry["tokens"][k] for k in e["tokens"]}  # the same sequences
+    assert e["induction_mean"] == ind_entry["induction_mean"]
+    assert e["sources"] == [h for h in ind_entry["induction_heads"] if _head(h)[0] in ch14_results.SOURCE_LAYERS]
+    assert e["second_tier"] == ["23.2", "23.7"] and e["copier"] == "29.1"
+    ind = torch.tensor(e["induction_mean"])
+    for name, heads in e["control_sets"].items():
+        if "control" in name:
+            assert all(ind[_head(h)] < ch14_results.CONTROL_MAX for h in heads)
+            want = e["second_tier"] if name.startswith("layer23") else e["sources"]
+            assert sorted(_head(h)[0] for h in heads) == sorted(_head(h)[0] for h in want)
+    assert sorted(e["targets"]) == ["23.2", "23.7", "29.1"]
+    none = ind_entry["ablation"]["conditions"]["none"]["per_seq"]
+    rows = {row["head"]: row for row in ind_entry["heads"]}
+    for target, found in e["targets"].items():
+        base = found["baseline"]
+        assert base["loss_per_seq"] == none
+        assert base["induction_per_seq"] == rows[target]["induction_per_seq"]
+        assert base["dla_per_seq"] == pytest.approx(rows[target]["dla_per_seq"], abs=1e-4)
+        sets = ["induction"] + [f"control{k}" for k in range(ch14_results.N_SOURCE_CONTROLS)]
+        if target == "29.1":
+            sets += ["layer23"] + [k for k in e["control_sets"] if k.startswith("layer23_control")]
+        assert sorted(found["removals"]) == sorted(f"{s}/{p}" for s in sets for p in ch14_results.PATHS)
+        for key, removal in found["removals"].items():
+            set_name, path = key.split("/")
+            assert removal["path"] == path and removal["sources"] == e["control_sets"][set_name]
+            for what in ("loss", "induction", "dla"):
+                assert len(removal[f"{what}_per_seq"]) == n
+                _summary_of(removal[what], removal[f"{what}_per_seq"])
+            _summary_of(removal["loss_minus_baseline"], [a - b for a, b in zip(removal["loss_per_seq"], none)],
+                        abs=5e-4)
+            if path == "v":  # the values move no attention
+                assert removal["induction_per_seq"] == pytest.approx(base["induction_per_seq"], abs=2e-4)
+                assert {k: a["mean"] for k, a in removal["attention"].items()} == pytest.approx(
+                    {k: a["mean"] for k, a in base["attention"].items()}, abs=2e-4)
+            assert sum(a["mean"] for a in removal["attention"].values()) <= 1 + 1e-3
+
+
+def test_stored_smollm2_name_swap_is_complete_and_consistent():
+    e = MEASURED["smollm2-name-swap"]
+    assert [tuple(p) for p in e["pairs"]] == ch14_results.name_pairs() and len(e["pairs"]) >= 50
+    assert e["templates"] == ch14_results.TEMPLATES
+    for t in e["by_template"].values():
+        assert t["length"] == 14 and t["tokens_of_first_pair"][9] in (" John", " Mary")
+        den, noi = t["denoising"], t["noising"]
+        assert noi["ld_source_per_pair"] == den["ld_target_per_pair"]
+        assert noi["ld_target_per_pair"] == den["ld_source_per_pair"]
+        for d in (den, noi):
+            assert d["positions"] == [9, 10, 11, 12, 13]
+            ld = torch.tensor(d["ld_per_pair"])
+            src, tgt = torch.tensor(d["ld_source_per_pair"]), torch.tensor(d["ld_target_per_pair"])
+            assert ld.shape == (31, 5, len(e["pairs"]))
+            frac = ch14_results.fraction_restored(ld, src, tgt)
+            assert torch.tensor(d["fraction"]) == pytest.approx(frac, abs=2e-3)  # the per-pair LDs: 3 decimals
+            assert d["fraction"][-1] == [0.0, 0.0, 0.0, 0.0, 1.0]
+            assert d["patched"][0] == [True, False, False, False, False] and all(all(r) for r in d["patched"][1:])
+            lo, hi = torch.tensor(d["fraction_ci95"]).unbind(-1)
+            assert bool(((lo <= torch.tensor(d["fraction"]) + 1e-3) & (torch.tensor(d["fraction"]) <= hi + 1e-3)).all())
+        assert t["clean_right"] == sum(x > 0 for x in den["ld_source_per_pair"]) / len(e["pairs"])
+    for d in e["pooled"].values():
+        assert d["n"] == 2 * len(e["pairs"]) and len(d["fraction"]) == 31
+
+
+def test_smollm2_new_entries_recomputed_on_a_few_sequences(smollm2):
+    model, tok = smollm2
+    e = MEASURED["smollm2-induction"]
+    tokens = repeated_random_tokens(e["tokens"]["n_seq"], e["tokens"]["half_len"], 49152,
+                                    torch.Generator().manual_seed(e["tokens"]["seed"]))[:3]
+    cond = e["ablation"]["conditions"]
+    for k in range(3):  # another arithmetic moves the last digits
+        assert in_context_loss(model, tokens[k:k + 1]) == pytest.approx(cond["none"]["per_seq"][k], abs=2e-3)
+        with interp.ablate_heads(model, [(23, 2), (23, 7)]):
+            assert in_context_loss(model, tokens[k:k + 1]) == pytest.approx(cond["pair_zero"]["per_seq"][k],
+                                                                            abs=2e-3)
+    swap = MEASURED["smollm2-name-swap"]["by_template"]["ABBA"]["denoising"]
+    clean, corrupted, answer, wrong = ch14_results.name_swap_prompts(tok, [("Mary", "John")],
+                                                                     ch14_results.TEMPLATES["ABBA"])
+    with torch.no_grad():
+        ld_clean = float(interp.logit_difference(model(clean, last_only=True)[0], answer, wrong)[0])
+    assert ld_clean == pytest.approx(swap["ld_source_per_pair"][0], abs=5e-3)
+    restored = interp.residual_patching(model, clean, corrupted, answer, wrong, layers=[21])[0, 9:]
+    ld = torch.tensor(swap["ld_per_pair"])[21, :, 0]
+    src, tgt = swap["ld_source_per_pair"][0], swap["ld_target_per_pair"][0]
+    assert restored == pytest.approx(((ld - tgt) / (src - tgt)).tolist(), abs=5e-3)

@@ -1,6 +1,7 @@
 """The induction-head runs behind chapter 14, stored in src/groundup/results/chapter14.json.
 
     OMP_NUM_THREADS=1 python tools/ch14_results.py              # seeds 0, 1, 2 (one to two minutes each)
+    OMP_NUM_THREADS=1 python tools/ch14_results.py --entry smollm2-induction  # and -two-tier, -name-swap: see below
     OMP_NUM_THREADS=1 python tools/ch14_results.py --seed 1     # one seed
     python tools/ch14_results.py --windows                      # only re-read the windows off the stored curves
     OMP_NUM_THREADS=1 MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default \
@@ -78,13 +79,74 @@ entry's name, not in ``runs``):
 
 Each entry records the command that made it and its wall time (not reproducible; everything else is, on one
 thread with the same arithmetic). Running a command again replaces its entry.
+
+**SmolLM2's induction circuit tested** (issue 39, items 3 and 4; ``NEW_ENTRIES``, also in ``measurements``):
+
+    OMP_NUM_THREADS=1 python tools/ch14_results.py --entry smollm2-induction   # items 1-3 below (370 s here)
+    OMP_NUM_THREADS=1 python tools/ch14_results.py --entry smollm2-two-tier    # item 4 (444 s)
+    OMP_NUM_THREADS=1 python tools/ch14_results.py --entry smollm2-name-swap   # item 5 (521 s)
+
+These run under the notebooks' arithmetic (``results_file.on_notebook_arithmetic``: the command starts itself again
+with ``nbval_lanes.ARITHMETIC`` set unless the shell set it; the entries above did not, so these entries cannot be
+requested in the same command as them or as the seeds), on one thread, and store ``machine`` (CPU, threads,
+kernels, every variable of that arithmetic, PyTorch's version). The model is ``SMOLLM2``: the Q4_1 GGUF file of
+SmolLM2-135M-Instruct, dequantized to float32. The sequences are ``SMOL_SEQ`` = 64 repeated random sequences of
+``2 x SMOL_HALF`` = 2 x 16 token ids (:func:`~groundup.induction.repeated_random_tokens`, generator seeded
+``SMOL_SEED``; the chapter's draw, more of them); a loss is the mean next-token loss over the 15 positions
+``16 .. 30`` whose next token repeats (:func:`sequence_losses`, per sequence; their mean is
+:func:`~groundup.induction.in_context_loss`). Every measurement is stored per sequence (``per_seq``) beside a
+:func:`summary` (mean, sample SD, a percentile bootstrap 95 % interval of the mean over the sequences), rounded
+to 4 digits. An *induction head* scores at least ``INDUCTION_CUT`` = 0.4 (mean over the sequences), a *control*
+head less than ``CONTROL_MAX`` = 0.1.
+
+* ``smollm2-induction``: (1) every head's induction score (eq. 14.4, per sequence: ``induction_mean`` / ``_sd``
+  [layer][head]) and its direct share, the chapter's centred direct logit attribution (14.8b) of the right next
+  token, each sequence's mean over the repeat positions (``dla_mean`` / ``_sd``; the whole centred logit, the 270
+  heads' and the rest's shares as summaries); ``heads`` lists, with per-sequence values, every head with
+  ``|share| >= LARGE_SHARE`` = 0.2 logits, every induction head, the top five by induction score and 23.2, 23.7.
+  (2) ``baseline``: the same positions of ``SMOL_SEQ`` sequences of uniform random ids that do not repeat
+  (``torch.randint``, seed ``SMOL_BASELINE_SEED``), beside ln V. (3) ``ablation.conditions``: the loss per sequence
+  with nothing ablated (``none``); the five top induction heads zero- and mean-ablated (``top5_zero``,
+  ``top5_mean``; the means per position over ``SMOL_SEQ`` other repeated sequences, seed ``SMOL_MEAN_SEED``, as
+  the chapter); 23.2 and 23.7 zeroed (``pair_zero``) and with the top five (``top5_and_pair_zero``);
+  ``N_CONTROLS`` = 20 different sets of control heads drawn from the top five's layers, as many from each
+  (``control0`` ..), and ``N_PAIR_CONTROLS`` = 10 (fewer if the pool holds fewer) pairs of control heads of
+  layer 23 (``pair_control0`` ..), seeds ``CONTROL_SEED``, ``CONTROL_SEED + 1`` (:func:`_draw_controls`); each
+  with ``minus_none``, the per-sequence difference from ``none`` summarised.
+* ``smollm2-two-tier``: the two-tier hypothesis, layers 17-18's induction heads (``sources``: those of
+  ``SOURCE_LAYERS`` scoring at least 0.4 on these sequences) feed the induction-like heads 23.2, 23.7 and the
+  copier 29.1 (``TWO_TIER_TARGETS``). For each target and each of ``PATHS`` (``q``, ``k``, ``v`` and all three):
+  the sources' summed direct output (:func:`source_contribution`) removed from what that one head reads through
+  that path (:func:`remove_from_head`; every other head, the FFNs and the residual stream keep it), and the loss,
+  the target's induction score and its direct share per sequence (``removals["induction/q"]`` ...), beside its
+  ``baseline`` and ``N_SOURCE_CONTROLS`` = 5 removals of control heads of the same layers, as many from each
+  (``control0/q`` ..., seed ``CONTROL_SEED + 2``). For 29.1 also the second tier: 23.2 and 23.7 removed
+  (``layer23/q`` ...) beside pairs of layer-23 control heads (``layer23_control0/q`` ..., ``CONTROL_SEED + 3``).
+  ``attention`` (baseline and each removal) summarises where the target attends (:func:`attention_profile`).
+  Only the direct path is removed: what the sources changed in the blocks between them and the target stays.
+* ``smollm2-name-swap``: name-swap patching (eq. 14.9) on ``IOI_PAIRS`` = 50 ordered pairs of the single-token
+  ``NAMES`` (:func:`name_pairs`: the chapter's Mary / John, then pairs drawn with seed ``IOI_SEED``; every name is
+  checked to be one token with its leading space) in the two ``TEMPLATES``, ABBA ("When {io} and {s} went to the
+  store, {s} gave a drink to") and BABA ("When {s} and {io} ..."); the clean prompt's answer is `` io``, the
+  corrupted prompt names ``io`` twice (its answer `` s``). Per template and direction, :func:`patch_per_example`
+  on every stream entry 0 .. 30 and every position from the changed name on (9 .. 13): ``denoising`` patches the
+  clean run's vector into the corrupted run (fraction = (LD - LD_corrupted) / (LD_clean - LD_corrupted), 1: the
+  clean answer restored), ``noising`` the corrupted run's into the clean run (fraction = (LD - LD_clean) /
+  (LD_corrupted - LD_clean), 1: the clean answer destroyed). Stored: ``fraction`` [entry][position] with the means
+  over the pairs, as :func:`~groundup.interpretability.residual_patching` normalises, a bootstrap 95 % interval
+  over the pairs (``fraction_ci95``), the per-pair fractions' mean and SD, and the logit differences per pair
+  (``ld_per_pair`` [entry][position][pair], ``ld_source_per_pair``, ``ld_target_per_pair``; ``patched`` False
+  where the two streams are equal, the LD then the target run's by definition); ``pooled``: the fractions, their
+  intervals and the per-pair means and SDs over both templates' 100 prompts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -92,8 +154,10 @@ import time
 from pathlib import Path
 
 import torch
-from results_file import add_entry
+from results_file import add_entry, machine, on_notebook_arithmetic
 
+from groundup import interpretability as interp
+from groundup.attention import KVCache
 from groundup.data import load_corpus, train_val_split
 from groundup.induction import AttentionOnlyConfig, in_context_loss, induction_batches, repeated_random_tokens
 from groundup.interpretability import (
@@ -123,6 +187,27 @@ DIGITS = 5
 COPY_TOKENS, COPY_SEED = 1024, 14
 LENS_WINDOWS, LENS_WINDOW_TOKENS = 32, 129  # SmolLM2: 32 windows of 129 tokens, 128 predictions each
 ENTRIES = ("smollm2-copying", "smollm2-lens", "chapter7-lens")
+# issue 39, items 3 and 4: run under the notebooks' arithmetic (results_file.on_notebook_arithmetic)
+NEW_ENTRIES = ("smollm2-induction", "smollm2-two-tier", "smollm2-name-swap")
+SMOLLM2 = "SmolLM2-135M-Instruct: the Q4_1 GGUF file dequantized to float32 (groundup.pretrained.load_smollm2)"
+SMOL_SEQ, SMOL_HALF = 64, 16  # 64 repeated sequences of 2 x 16 tokens (the chapter's length), 15 predictions each
+SMOL_SEED, SMOL_MEAN_SEED, SMOL_BASELINE_SEED, CONTROL_SEED = 1410, 1411, 1412, 1413
+INDUCTION_CUT = 0.4  # an induction head: mean induction score >= 0.4
+CONTROL_MAX = 0.1  # a control head: < 0.1 (uniform attention over the context scores about 0.04)
+LARGE_SHARE = 0.2  # a large direct share: |mean centred DLA| >= 0.2 logits
+N_CONTROLS, N_PAIR_CONTROLS, N_SOURCE_CONTROLS = 20, 10, 5
+LAYER23_PAIR = ((23, 2), (23, 7))
+SOURCE_LAYERS = (17, 18)
+TWO_TIER_TARGETS = ((23, 2), (23, 7), (29, 1))
+COPIER = (29, 1)
+PATHS = ("q", "k", "v", "qkv")
+BOOTSTRAP_SEED, BOOTSTRAP_DRAWS = 0, 2000
+NAMES = ("Mary", "John", "Tom", "James", "Anna", "Sarah", "David", "Michael", "Paul", "Peter", "Lisa", "Emma",
+         "Kate", "Alice", "Laura", "Susan", "Robert", "Daniel", "George", "Helen", "Chris", "Steve", "Karen",
+         "Linda", "Nancy", "Frank", "Emily", "Jane", "Rachel", "Jessica")
+IOI_PAIRS, IOI_SEED, IOI_FIRST = 50, 1414, ("Mary", "John")
+TEMPLATES = {"ABBA": "When {io} and {s} went to the store, {s2} gave a drink to",
+             "BABA": "When {s} and {io} went to the store, {s2} gave a drink to"}
 
 
 def held_out(vocab_size: int, context_length: int, n_seq: int = N_HELD_OUT, seed: int = HELD_OUT_SEED):
@@ -382,6 +467,576 @@ def measure(name: str) -> dict:
     return {**entry, **_arithmetic(), "wall_seconds": round(time.perf_counter() - tick, 1)}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# SmolLM2's induction circuit tested (issue 39, items 3 and 4): the entries of NEW_ENTRIES, under the notebooks'
+# arithmetic
+
+
+def summary(values, *, seed: int = BOOTSTRAP_SEED, draws: int = BOOTSTRAP_DRAWS) -> dict:
+    """``n``, mean, sample standard deviation and a percentile bootstrap 95 % interval of the mean of ``values``
+    (one per sequence, pair, ...), rounded. The resamples are drawn by a generator seeded ``seed``."""
+    x = torch.as_tensor(values, dtype=torch.float64).flatten()
+    n = x.numel()
+    sd = float(x.std()) if n > 1 else 0.0
+    means = x[torch.randint(n, (draws, n), generator=torch.Generator().manual_seed(seed))].mean(dim=1)
+    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return {"n": n, "mean": round(float(x.mean()), DIGITS), "sd": round(sd, DIGITS),
+            "ci95": [round(lo, DIGITS), round(hi, DIGITS)]}
+
+
+def _r(t, digits: int = 4):
+    """A tensor as (nested) lists of floats rounded to ``digits``."""
+    t = torch.as_tensor(t)
+    return round(float(t), digits) if t.dim() == 0 else [_r(x, digits) for x in t]
+
+
+def run_from(model: GPT, x: torch.Tensor, layer: int, *, positions: torch.Tensor | None = None,
+             caches=None) -> torch.Tensor:
+    """Blocks ``layer .. n_layers - 1`` of ``model`` on the stream entry ``x`` ``(batch, n, d_model)`` (entry
+    ``layer`` of :func:`~groundup.interpretability.residual_stream`): returns the last entry, before the final
+    norm. What ``GPT.forward`` computes after block ``layer - 1`` (RoPE, learned or sinusoidal positions; not a
+    relative or ALiBi bias), with the blocks' hooks, so that an intervention downstream of ``layer`` need not run
+    the blocks before it again. ``positions`` (default ``0 .. n - 1``) are the positions of ``x``'s rows; ``caches``
+    (one :class:`~groundup.attention.KVCache` per block from ``layer`` on, holding the keys and values of the
+    positions before them) lets ``x`` be the tail of a sequence. Eval mode, no gradients."""
+    c = model.config
+    if c.positional in ("relative", "alibi"):
+        raise ValueError(f"run_from needs positions that the stream or RoPE carries, not {c.positional!r}")
+    if positions is None:
+        positions = torch.arange(x.shape[1])
+    rotary = model.rotary if c.positional == "rope" else None
+    blocks = list(model.blocks)[layer:]
+    caches = [None] * len(blocks) if caches is None else caches
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for block, cache in zip(blocks, caches, strict=True):
+                x = block(x, rotary=rotary, positions=positions, is_causal=model.causal, cache=cache)
+    finally:
+        model.train(was_training)
+    return x
+
+
+def repeat_slice(tokens: torch.Tensor) -> slice:
+    """The positions whose next token repeats the first half (as :func:`~groundup.induction.induction_targets`):
+    ``H .. 2H - 2`` of sequences of ``2H`` tokens."""
+    half = tokens.shape[1] // 2
+    return slice(half, 2 * half - 1)
+
+
+def sequence_losses(model: GPT, final: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each sequence's mean next-token loss (nats) over the positions of :func:`repeat_slice`, from the last
+    stream entry ``final`` ``(batch, 2H, d_model)``: only those positions are unembedded. Their mean is
+    :func:`~groundup.induction.in_context_loss` when ``tokens`` repeat (for random ``tokens`` that do not, the
+    loss at the same positions)."""
+    s = repeat_slice(tokens)
+    with torch.no_grad():
+        logits = model.unembedding(model.final_norm(final[:, s])).float()
+        target = tokens[:, s.start + 1:s.stop + 1]
+        nll = logits.logsumexp(dim=-1) - logits.gather(-1, target[..., None])[..., 0]
+    return nll.mean(dim=1)
+
+
+def sequence_induction_scores(pattern: torch.Tensor) -> torch.Tensor:
+    """:func:`~groundup.interpretability.induction_scores` per sequence: ``(batch, n_heads)`` for one layer's
+    pattern ``(batch, n_heads, 2H, 2H)`` (or ``(batch,)`` for one head's ``(batch, 2H, 2H)``)."""
+    half = pattern.shape[-1] // 2
+    return pattern.diagonal(offset=-(half - 1), dim1=-2, dim2=-1)[..., 1:].mean(dim=-1)
+
+
+def attention_profile(pattern: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Where one head attends on repeated sequences of ``2H`` tokens: its mean weight, per sequence, from the query
+    positions ``i = H + 1 .. 2H - 1`` to ``i - H + 1`` (``next_of_earlier``: the token after the earlier copy of the
+    query's token, what an induction head reads), ``i - H`` (``earlier_copy``: that earlier copy itself), ``i``
+    (``self``) and ``0`` (``first``: the first position). ``pattern``: ``(batch, 2H, 2H)``; returns ``(batch,)``
+    tensors."""
+    half = pattern.shape[-1] // 2
+    rows = torch.arange(half + 1, 2 * half)
+    return {"next_of_earlier": pattern[:, rows, rows - half + 1].mean(-1),
+            "earlier_copy": pattern[:, rows, rows - half].mean(-1),
+            "self": pattern[:, rows, rows].mean(-1), "first": pattern[:, rows, 0].mean(-1)}
+
+
+def _reading(model: GPT, final: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """At the positions of :func:`repeat_slice`: what one unit of the stream adds to the right next token's centred
+    logit with the final norm's divisor frozen (the ``read`` of direct_logit_attribution, ``centred=True``):
+    ``(batch, H - 1, d_model)``."""
+    s = repeat_slice(tokens)
+    u = interp._weight(model.unembedding).float()
+    rows = u[tokens[:, s.start + 1:s.stop + 1]] - u.mean(0)
+    return (rows @ interp._norm_map(model.final_norm, model.config.d_model, u)) * interp._final_scale(
+        model.final_norm, final[:, s].float())
+
+
+def head_direct_shares(model: GPT, final: torch.Tensor, tokens: torch.Tensor, layer: int,
+                       z: torch.Tensor) -> torch.Tensor:
+    """The centred direct logit attribution (14.8b) of layer ``layer``'s heads to the right next token, each
+    sequence's mean over the positions of :func:`repeat_slice`: ``(batch, n_heads)``, from the last stream entry
+    ``final`` and the heads' outputs ``z`` ``(batch, 2H, n_heads, d_head)`` of that run (``z`` may also be one
+    head's ``(batch, 2H, d_head)`` with ``W_o``'s columns of that head: pass ``layer=(layer, head)``)."""
+    read = _reading(model, final, tokens)
+    s = repeat_slice(tokens)
+    if isinstance(layer, tuple):
+        layer, head = layer
+        d_head = z.shape[-1]
+        w_o = interp._weight(model.blocks[layer].attention.W_o).float()[:, head * d_head:(head + 1) * d_head]
+        return ((read @ w_o) * z[:, s].float()).sum(-1).mean(dim=1)
+    w_o = interp._weight(model.blocks[layer].attention.W_o).float()
+    per = (read @ w_o).reshape(*read.shape[:2], *z.shape[-2:]) * z[:, s].float()
+    return per.sum(-1).mean(dim=1)
+
+
+def source_contribution(model: GPT, outputs: list[torch.Tensor], sources) -> torch.Tensor:
+    """What the heads ``sources`` (``(layer, head)`` pairs) write into the stream, summed: ``Σ W_O^h z^h``
+    ``(batch, seq, d_model)``, from :func:`~groundup.interpretability.head_outputs` ``outputs`` of the run."""
+    total = torch.zeros(*outputs[0].shape[:2], model.config.d_model)
+    for layer, head in sources:
+        z = outputs[layer][..., head, :].float()
+        d_head = z.shape[-1]
+        w_o = interp._weight(model.blocks[layer].attention.W_o).float()[:, head * d_head:(head + 1) * d_head]
+        total = total + z @ w_o.T
+    return total
+
+
+@contextlib.contextmanager
+def remove_from_head(model: GPT, removed: torch.Tensor, layer: int, head: int, paths="qkv"):
+    """A context manager in which head ``head`` of block ``layer`` reads its queries, keys and / or values
+    (``paths``: any of ``"q"``, ``"k"``, ``"v"``) from the stream minus ``removed`` ``(batch, seq, d_model)`` (what
+    earlier heads wrote, :func:`source_contribution`): it attends and writes as if those heads' direct outputs
+    were not in the stream it reads through those paths. Every other head of the block (its key/value group
+    neighbours included: with grouped-query attention the head gets keys and values of its own), the residual
+    connection, the FFN and the later blocks see the stream as it is; they see the head's new output.
+
+    :func:`~groundup.interpretability.remove_from_inputs` for several source heads at once and one target head
+    instead of the whole block. How: a forward pre-hook on the block records its input ``x``; one on its
+    attention runs the attention a second time with ``need_weights=True``, its projections reading
+    ``norm_1(x - removed)`` for the chosen paths and ``norm_1(x)`` for the others (the module's own projections,
+    RoPE, grouped-query attention and softmax), and keeps the head's pattern and output ``z``; a pre-hook on
+    ``W_o`` puts that ``z`` in the head's slice of the real call. Yields a dict whose ``"pattern"`` ``(batch, seq,
+    seq)`` and ``"z"`` ``(batch, seq, d_head)`` each forward pass fills. With ``removed`` zero the model computes
+    what it computes without the hooks, up to float rounding (the written-out softmax for the fused kernel).
+    Pre-LN blocks, no KV cache."""
+    interp._check_model(model)
+    layer, head = interp._check_layer(model, layer), interp._check_head(model, head)
+    chosen = set(paths)
+    if not chosen or not chosen <= set(interp.COMPOSITIONS):
+        raise ValueError(f"paths must be a non-empty selection of {interp.COMPOSITIONS}, got {paths!r}")
+    block = model.blocks[layer]
+    if getattr(block, "norm_position", "pre") != "pre":
+        raise ValueError("remove_from_head needs Pre-LN blocks (x + attention(norm_1(x)))")
+    attention = block.attention
+    cut = slice(head * attention.d_head, (head + 1) * attention.d_head)
+    state = {"inner": False}
+    seen: dict[str, torch.Tensor] = {}
+
+    def record_x(module, args):
+        seen["x"] = args[0]
+
+    def project(x, context, need_kv=True):  # the second call's projections
+        reads = {p: seen["minus"] if p in chosen else x for p in "qkv"}
+        return attention.W_q(reads["q"]), attention.W_k(reads["k"]), attention.W_v(reads["v"])
+
+    def before_attention(module, args, kwargs):
+        if state["inner"]:
+            return None
+        if kwargs.get("cache") is not None:
+            raise ValueError("remove_from_head does not work with a KV cache")
+        x = seen["x"]
+        if removed.shape != x.shape:
+            raise ValueError(f"removed has shape {tuple(removed.shape)}, the block's input {tuple(x.shape)}")
+        seen["minus"] = block.norm_1(x - removed.to(x.dtype))
+        state["inner"] = True
+        attention._project = project  # an instance attribute: shadows the method for this call only
+        try:
+            _, weights = module(args[0], **{**kwargs, "need_weights": True})
+        finally:
+            del attention._project
+            state["inner"] = False
+        seen["pattern"] = weights[:, head].detach()
+        return None
+
+    def before_w_o(module, args):
+        if state["inner"]:
+            seen["z"] = args[0][..., cut].detach().clone()
+            return None
+        x = args[0].clone()
+        x[..., cut] = seen["z"].to(x.dtype)
+        return (x,) + tuple(args[1:])
+
+    with interp._hooks() as handles:
+        handles.append(block.register_forward_pre_hook(record_x))
+        handles.append(attention.register_forward_pre_hook(before_attention, with_kwargs=True))
+        handles.append(attention.W_o.register_forward_pre_hook(before_w_o))
+        yield seen
+
+
+def clean_run(model: GPT, tokens: torch.Tensor) -> dict:
+    """One run's residual stream, heads' outputs, attention patterns and per-sequence loss (repeat positions)."""
+    stream, outputs = interp.residual_stream(model, tokens), interp.head_outputs(model, tokens)
+    patterns = interp.attention_patterns(model, tokens)
+    return {"stream": stream, "outputs": outputs, "patterns": patterns,
+            "loss": sequence_losses(model, stream[-1], tokens)}
+
+
+def ablated_losses(model: GPT, run: dict, tokens: torch.Tensor, heads, *, mode: str = "zero",
+                   means=None) -> torch.Tensor:
+    """Per-sequence loss (repeat positions) with ``heads`` ablated (:func:`~groundup.interpretability.ablate_heads`),
+    run from the first ablated layer on the clean ``run``'s stream (the blocks before it compute as in the run)."""
+    first = min(layer for layer, _ in heads)
+    with interp.ablate_heads(model, heads, mode=mode, means=means):
+        final = run_from(model, run["stream"][first], first)
+    return sequence_losses(model, final, tokens)
+
+
+def _names(heads) -> list[str]:
+    return [f"{layer}.{head}" for layer, head in heads]
+
+
+def _draw_controls(pool_by_layer: dict[int, list[int]], counts: dict[int, int], n_sets: int, seed: int):
+    """``n_sets`` different sets of heads, ``counts[layer]`` from each layer's ``pool_by_layer[layer]`` (without
+    replacement within a set), drawn by ``torch.randperm`` with a generator seeded ``seed`` (a set drawn again is
+    drawn anew); fewer when the pools hold fewer different sets. In the order of ``counts``."""
+    g = torch.Generator().manual_seed(seed)
+    possible = 1
+    for layer, k in counts.items():
+        if k > len(pool_by_layer[layer]):
+            raise ValueError(f"layer {layer} has {len(pool_by_layer[layer])} heads to draw {k} controls from")
+        possible *= math.comb(len(pool_by_layer[layer]), k)
+    sets, seen = [], set()
+    while len(sets) < min(n_sets, possible):
+        chosen = []
+        for layer, k in counts.items():
+            pool = pool_by_layer[layer]
+            chosen += sorted((layer, pool[int(i)]) for i in torch.randperm(len(pool), generator=g)[:k])
+        if frozenset(chosen) not in seen:
+            seen.add(frozenset(chosen))
+            sets.append(chosen)
+    return sets
+
+
+def induction_heads(scores: torch.Tensor, cut: float = INDUCTION_CUT) -> list[tuple[int, int]]:
+    """The heads whose mean induction score ``scores[layer, head]`` is at least ``cut``, highest first."""
+    flat = scores.flatten()
+    order = flat.argsort(descending=True)
+    return [divmod(int(i), scores.shape[1]) for i in order if float(flat[i]) >= cut]
+
+
+def induction_entry(model: GPT, *, n_seq: int = SMOL_SEQ, half_len: int = SMOL_HALF, seed: int = SMOL_SEED,
+                    mean_seed: int = SMOL_MEAN_SEED, baseline_seed: int = SMOL_BASELINE_SEED,
+                    pair: tuple = LAYER23_PAIR, n_controls: int = N_CONTROLS, pair_controls: int = N_PAIR_CONTROLS,
+                    cut: float = INDUCTION_CUT, control_max: float = CONTROL_MAX, log=print) -> dict:
+    """Items 1-3 of ``smollm2-induction`` (module docstring) for ``model``: per-head scores and direct shares,
+    the no-repeat baseline and the ablations, with per-sequence values."""
+    v, n_heads = model.config.vocab_size, model.config.n_heads
+    tokens = repeated_random_tokens(n_seq, half_len, v, torch.Generator().manual_seed(seed))
+    run = clean_run(model, tokens)
+    ind = torch.stack([sequence_induction_scores(p) for p in run["patterns"]]).permute(0, 2, 1)  # (L, H, batch)
+    prev = torch.stack([interp.previous_token_scores(p) for p in run["patterns"]])
+    dla = torch.stack([head_direct_shares(model, run["stream"][-1], tokens, layer, run["outputs"][layer])
+                       for layer in range(model.config.n_layers)]).permute(0, 2, 1)  # (L, H, batch)
+    parts = interp.direct_logit_attribution(model, tokens, torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1),
+                                            centred=True)
+    s = repeat_slice(tokens)
+    total = (parts["embedding"] + parts["heads"].sum((0, 1)) + parts["rest"].sum(0) + parts["bias"])[:, s]
+    heads_mean, ind_mean = dla.mean(-1), ind.mean(-1)
+    log(f"in-context loss {float(run['loss'].mean()):.3f}; top induction heads "
+        f"{_names(induction_heads(ind_mean, cut)[:8])}")
+    top_dla = [divmod(int(i), n_heads) for i in heads_mean.flatten().argsort(descending=True)]
+    large = [h for h in top_dla if abs(float(heads_mean[h])) >= LARGE_SHARE]
+    induction = induction_heads(ind_mean, cut)
+    top5 = [divmod(int(i), n_heads) for i in ind_mean.flatten().topk(5).indices]
+    listed = list(dict.fromkeys(large + induction + top5 + [tuple(p) for p in pair]))
+
+    # 2. the baseline: random tokens that do not repeat, the same positions
+    plain = torch.randint(0, v, (n_seq, 2 * half_len), generator=torch.Generator().manual_seed(baseline_seed))
+    with interp._inspecting(model):
+        baseline = sequence_losses(model, interp.residual_stream(model, plain)[-1], plain)
+    log(f"no-repeat baseline {float(baseline.mean()):.3f} (ln V = {math.log(v):.3f})")
+
+    # 3. ablations
+    reference = repeated_random_tokens(n_seq, half_len, v, torch.Generator().manual_seed(mean_seed))
+    means = interp.mean_head_outputs(model, reference, per_position=True)
+    losses = {"none": run["loss"]}
+    conditions = {"none": []}
+    for mode in ("zero", "mean"):
+        losses[f"top5_{mode}"] = ablated_losses(model, run, tokens, top5, mode=mode,
+                                                means=means if mode == "mean" else None)
+        conditions[f"top5_{mode}"] = top5
+    pair = [tuple(p) for p in pair]
+    losses["pair_zero"], conditions["pair_zero"] = ablated_losses(model, run, tokens, pair), pair
+    losses["top5_and_pair_zero"] = ablated_losses(model, run, tokens, top5 + pair)
+    conditions["top5_and_pair_zero"] = top5 + pair
+    log("ablations: " + ", ".join(f"{k} {float(x.mean()):.3f}" for k, x in losses.items()))
+    not_induction = {layer: [h for h in range(n_heads) if float(ind_mean[layer, h]) < min(control_max, cut)
+                             and (layer, h) not in top5] for layer in range(model.config.n_layers)}
+    counts = {}
+    for layer, _ in top5:
+        counts[layer] = counts.get(layer, 0) + 1
+    controls = _draw_controls(not_induction, counts, n_controls, CONTROL_SEED)
+    pair_counts = {}
+    for layer, _ in pair:
+        pair_counts[layer] = pair_counts.get(layer, 0) + 1
+    pair_pool = {layer: [h for h in not_induction[layer] if (layer, h) not in pair] for layer in pair_counts}
+    pair_sets = _draw_controls(pair_pool, pair_counts, pair_controls, CONTROL_SEED + 1)
+    for name, sets in (("control", controls), ("pair_control", pair_sets)):
+        for k, heads in enumerate(sets):
+            losses[f"{name}{k}"], conditions[f"{name}{k}"] = ablated_losses(model, run, tokens, heads), heads
+        log(f"{name}s: " + ", ".join(f"{float(losses[f'{name}{k}'].mean()):.2f}" for k in range(len(sets))))
+
+    def head_row(h):
+        layer, head = h
+        return {"head": f"{layer}.{head}", "induction": summary(ind[layer, head]), "dla": summary(dla[layer, head]),
+                "previous_token": round(float(prev[layer, head]), DIGITS),
+                "induction_per_seq": _r(ind[layer, head]), "dla_per_seq": _r(dla[layer, head])}
+
+    return {
+        "tokens": {"n_seq": n_seq, "half_len": half_len, "seed": seed,
+                   "draw": "repeated_random_tokens(n_seq, half_len, vocab_size, Generator().manual_seed(seed))",
+                   "predictions_per_seq": half_len - 1},
+        "induction_cut": cut, "control_max": control_max, "large_share": LARGE_SHARE,
+        "induction_mean": _r(ind_mean, DIGITS), "induction_sd": _r(ind.std(-1), DIGITS),
+        "previous_token": _r(prev, DIGITS),
+        "dla_mean": _r(heads_mean, DIGITS), "dla_sd": _r(dla.std(-1), DIGITS),
+        "dla_total": summary(total.mean(1)), "dla_heads": summary(dla.sum((0, 1))),
+        "dla_rest": summary(parts["rest"][..., s].mean(-1).sum(0)),
+        "dla_rest_by_layer": _r(parts["rest"][..., s].mean((1, 2)), DIGITS),
+        "induction_heads": _names(induction), "top5_induction": _names(top5),
+        "large_share_heads": _names(large), "top_dla": _names(top_dla[:10]),
+        "heads": [head_row(h) for h in listed],
+        "baseline": {"seed": baseline_seed, "draw": "torch.randint(0, vocab_size, (n_seq, 2 * half_len))",
+                     "ln_vocab": round(math.log(v), DIGITS), "loss": summary(baseline),
+                     "per_seq": _r(baseline), "repeated": summary(run["loss"]),
+                     "difference": summary(baseline - run["loss"])},
+        "ablation": {
+            "means": {"n_seq": n_seq, "seed": mean_seed, "per_position": True},
+            "control_seed": CONTROL_SEED,
+            "conditions": {k: {"heads": _names(conditions[k]), "loss": summary(x),
+                               "minus_none": summary(x - losses["none"]), "per_seq": _r(x)}
+                           for k, x in losses.items()}},
+    }
+
+
+def two_tier_entry(model: GPT, *, n_seq: int = SMOL_SEQ, half_len: int = SMOL_HALF, seed: int = SMOL_SEED,
+                   source_layers=SOURCE_LAYERS, targets=TWO_TIER_TARGETS, second_tier=LAYER23_PAIR,
+                   copier=COPIER, paths=PATHS, n_controls: int = N_SOURCE_CONTROLS, cut: float = INDUCTION_CUT,
+                   control_max: float = CONTROL_MAX, log=print) -> dict:
+    """Item 4, ``smollm2-two-tier`` (module docstring): each target head's loss, induction score and direct share
+    per sequence with the source heads' outputs removed from its query, key or value input
+    (:func:`remove_from_head`), beside random same-layer controls."""
+    v, n_heads = model.config.vocab_size, model.config.n_heads
+    tokens = repeated_random_tokens(n_seq, half_len, v, torch.Generator().manual_seed(seed))
+    run = clean_run(model, tokens)
+    ind = torch.stack([sequence_induction_scores(p) for p in run["patterns"]]).permute(0, 2, 1)  # (L, H, batch)
+    ind_mean = ind.mean(-1)
+    induction = induction_heads(ind_mean, cut)
+    sources = [h for h in induction if h[0] in source_layers]
+    if not sources:
+        raise ValueError(f"no head of layers {source_layers} scores {cut} or more")
+    second = [tuple(h) for h in second_tier]
+    log(f"induction heads {_names(induction)}; sources {_names(sources)}")
+
+    def pool(layers, exclude):
+        return {layer: [h for h in range(n_heads)
+                        if float(ind_mean[layer, h]) < min(control_max, cut) and (layer, h) not in exclude]
+                for layer in layers}
+
+    def counts(heads):
+        found = {}
+        for layer, _ in heads:
+            found[layer] = found.get(layer, 0) + 1
+        return found
+
+    source_sets = {"induction": sources}
+    for k, heads in enumerate(_draw_controls(pool(source_layers, sources), counts(sources), n_controls,
+                                             CONTROL_SEED + 2)):
+        source_sets[f"control{k}"] = heads
+    second_sets = {"layer23": second}
+    for k, heads in enumerate(_draw_controls(pool(counts(second), second), counts(second), n_controls,
+                                             CONTROL_SEED + 3)):
+        second_sets[f"layer23_control{k}"] = heads
+    found = {}
+    for target in [tuple(t) for t in targets]:
+        layer, head = target
+        final = run["stream"][-1]
+        entry = {"baseline": {
+            "loss": summary(run["loss"]), "loss_per_seq": _r(run["loss"]),
+            "induction": summary(ind[layer, head]), "induction_per_seq": _r(ind[layer, head]),
+            "dla": summary(head_direct_shares(model, final, tokens, layer, run["outputs"][layer])[:, head]),
+            "dla_per_seq": _r(head_direct_shares(model, final, tokens, layer, run["outputs"][layer])[:, head]),
+            "attention": {k: summary(x) for k, x in attention_profile(run["patterns"][layer][:, head]).items()}},
+            "removals": {}}
+        sets = {**source_sets, **(second_sets if target == tuple(copier) else {})}
+        for set_name, heads in sets.items():
+            if any(h[0] >= layer for h in heads):
+                continue
+            removed = source_contribution(model, run["outputs"], heads)
+            for path in paths:
+                with remove_from_head(model, removed, layer, head, path) as seen:
+                    final = run_from(model, run["stream"][layer], layer)
+                loss = sequence_losses(model, final, tokens)
+                score = sequence_induction_scores(seen["pattern"])
+                share = head_direct_shares(model, final, tokens, (layer, head), seen["z"])
+                entry["removals"][f"{set_name}/{path}"] = {
+                    "sources": _names(heads), "path": path,
+                    "loss": summary(loss), "loss_minus_baseline": summary(loss - run["loss"]),
+                    "induction": summary(score), "induction_minus_baseline": summary(score - ind[layer, head]),
+                    "dla": summary(share),
+                    "attention": {k: summary(x) for k, x in attention_profile(seen["pattern"]).items()},
+                    "loss_per_seq": _r(loss), "induction_per_seq": _r(score), "dla_per_seq": _r(share)}
+            log(f"target {layer}.{head}, sources {set_name} {_names(heads)}: " + ", ".join(
+                f"{p} loss {entry['removals'][f'{set_name}/{p}']['loss']['mean']:.2f} ind "
+                f"{entry['removals'][f'{set_name}/{p}']['induction']['mean']:.2f}" for p in paths))
+        found[f"{layer}.{head}"] = entry
+    return {"tokens": {"n_seq": n_seq, "half_len": half_len, "seed": seed,
+                       "draw": "repeated_random_tokens(n_seq, half_len, vocab_size, Generator().manual_seed(seed))"},
+            "induction_cut": cut, "control_max": control_max, "induction_heads": _names(induction),
+            "induction_mean": _r(ind.mean(-1), DIGITS),
+            "sources": _names(sources), "second_tier": _names(second), "copier": f"{copier[0]}.{copier[1]}",
+            "control_sets": {k: _names(h) for k, h in {**source_sets, **second_sets}.items()},
+            "paths": list(paths), "targets": found}
+
+
+# ---- name-swap patching
+
+
+def name_pairs(n: int = IOI_PAIRS, seed: int = IOI_SEED, names=NAMES, first=IOI_FIRST) -> list[tuple[str, str]]:
+    """``n`` ordered pairs ``(a, b)`` of different ``names``: ``first`` (the chapter's pair), then pairs drawn
+    without replacement from the others by ``torch.randperm`` with a generator seeded ``seed``."""
+    every = [(a, b) for a in names for b in names if a != b and (a, b) != tuple(first)]
+    order = torch.randperm(len(every), generator=torch.Generator().manual_seed(seed))
+    return [tuple(first)] + [every[int(i)] for i in order[:n - 1]]
+
+
+def name_swap_prompts(tokenizer, pairs, template: str):
+    """Token ids ``(clean, corrupted, answer, wrong)`` of ``template`` (``{io}``, ``{s}`` the names; ``{s2}`` the
+    second mention of the subject) for every pair ``(io, s)``: clean with ``s2 = s`` (the answer is `` io``),
+    corrupted with ``s2 = io`` (then `` s``). Every name must be one token (with its leading space) and every
+    prompt as long as the others."""
+    clean, corrupted, answer, wrong = [], [], [], []
+    for io, s in pairs:
+        for name in (io, s):
+            if len(tokenizer.encode(" " + name)) != 1:
+                raise ValueError(f"{name!r} is not one token (with its leading space)")
+        clean.append(tokenizer.encode(template.format(io=io, s=s, s2=s)))
+        corrupted.append(tokenizer.encode(template.format(io=io, s=s, s2=io)))
+        answer.append(tokenizer.encode(" " + io)[0])
+        wrong.append(tokenizer.encode(" " + s)[0])
+    if len({len(x) for x in clean + corrupted}) != 1:
+        raise ValueError("the prompts have different lengths")
+    return torch.tensor(clean), torch.tensor(corrupted), torch.tensor(answer), torch.tensor(wrong)
+
+
+def _last_ld(model: GPT, last: torch.Tensor, answer, wrong) -> torch.Tensor:
+    with torch.no_grad():
+        return interp.logit_difference(model.unembedding(model.final_norm(last)).float(), answer, wrong)
+
+
+def patch_per_example(model: GPT, source: torch.Tensor, target: torch.Tensor, answer, wrong) -> dict:
+    """Residual-stream patching per example (what :func:`~groundup.interpretability.residual_patching` averages):
+    for every stream entry ``l`` and every position ``p`` where the ``source`` and ``target`` runs' streams
+    differ in some example, the ``target`` run with its vector ``x^(l)[p]`` replaced by the ``source`` run's,
+    and the logit difference ``answer - wrong`` at its last position, per example.
+
+    Returns ``ld_source``, ``ld_target`` ``(batch,)``, ``positions`` (those that differ at some entry: a position
+    before the first differing token is patched with itself) and ``ld`` ``(n_layers + 1, len(positions), batch)``
+    with ``patched`` ``(n_layers + 1, len(positions))``: False where the two streams are equal at that entry and
+    position in every example, whose ``ld`` is then ``ld_target`` by definition, not run. Each patch runs only
+    what it can change: blocks ``l ..`` (:func:`run_from`) on positions ``p ..``, the earlier positions' keys and
+    values taken from the target run's KV cache. Denoising: ``source`` the clean run, ``target`` the corrupted;
+    noising: the other way round."""
+    src_stream, tgt_stream = interp.residual_stream(model, source), interp.residual_stream(model, target)
+    n = source.shape[1]
+    ld_source = _last_ld(model, src_stream[-1][:, -1:], answer, wrong)
+    ld_target = _last_ld(model, tgt_stream[-1][:, -1:], answer, wrong)
+    differ = torch.stack([(a != b).any(dim=-1).any(dim=0) for a, b in zip(src_stream, tgt_stream)])  # (L+1, n)
+    positions = [int(p) for p in differ.any(dim=0).nonzero().flatten()]
+    cache = model.new_cache()
+    with interp._inspecting(model):
+        model(target, cache=cache)
+    ld = ld_target.expand(len(src_stream), len(positions), -1).clone()
+    for layer in range(len(src_stream)):
+        for k, p in enumerate(positions):
+            if not differ[layer, p]:
+                continue
+            x = tgt_stream[layer][:, p:].clone()
+            x[:, 0] = src_stream[layer][:, p]
+            caches = []
+            for c in cache[layer:]:
+                kv = KVCache()
+                if p > 0:
+                    kv.k, kv.v = c.k[..., :p, :], c.v[..., :p, :]
+                caches.append(kv)
+            out = run_from(model, x, layer, positions=torch.arange(p, n), caches=caches)
+            ld[layer, k] = _last_ld(model, out[:, -1:], answer, wrong)
+    return {"ld_source": ld_source, "ld_target": ld_target, "positions": positions, "ld": ld,
+            "patched": differ[:, positions]}
+
+
+def fraction_restored(ld: torch.Tensor, ld_source: torch.Tensor, ld_target: torch.Tensor) -> torch.Tensor:
+    """(14.9) with the means over the examples (the last dimension), as residual_patching:
+    ``(mean ld - mean ld_target) / (mean ld_source - mean ld_target)``."""
+    return (ld.mean(-1) - ld_target.mean()) / (ld_source.mean() - ld_target.mean())
+
+
+def _bootstrap_restored(ld, ld_source, ld_target, *, seed: int = BOOTSTRAP_SEED, draws: int = BOOTSTRAP_DRAWS):
+    """A percentile bootstrap 95 % interval of :func:`fraction_restored`, resampling the examples (pairs)."""
+    n = ld_source.numel()
+    idx = torch.randint(n, (draws, n), generator=torch.Generator().manual_seed(seed))
+    ld, src, tgt = ld.double(), ld_source.double(), ld_target.double()
+    draws_ = (ld[..., idx].mean(-1) - tgt[idx].mean(-1)) / (src[idx].mean(-1) - tgt[idx].mean(-1))  # (.., draws)
+    q = torch.quantile(draws_, torch.tensor([0.025, 0.975], dtype=torch.float64), dim=-1)
+    return q.permute(*range(1, q.dim()), 0)
+
+
+def name_swap_entry(model: GPT, tokenizer, *, pairs=None, templates=TEMPLATES, log=print) -> dict:
+    """Item 5, ``smollm2-name-swap`` (module docstring)."""
+    pairs = name_pairs() if pairs is None else [tuple(p) for p in pairs]
+    found = {"pairs": [list(p) for p in pairs], "templates": dict(templates), "directions": {
+        "denoising": "the clean run's vector patched into the corrupted run; fraction = (LD - LD_corrupted) / "
+                     "(LD_clean - LD_corrupted): 1 = the clean answer restored",
+        "noising": "the corrupted run's vector patched into the clean run; fraction = (LD - LD_clean) / "
+                   "(LD_corrupted - LD_clean): 1 = the clean answer fully destroyed"}, "by_template": {}}
+    pooled = {"denoising": [], "noising": []}
+    for name, template in templates.items():
+        clean, corrupted, answer, wrong = name_swap_prompts(tokenizer, pairs, template)
+        words = [tokenizer.decode([t]) for t in clean[0].tolist()]
+        t_entry = {"tokens_of_first_pair": words, "length": clean.shape[1]}
+        for direction, (src, tgt) in (("denoising", (clean, corrupted)), ("noising", (corrupted, clean))):
+            tick = time.perf_counter()
+            res = patch_per_example(model, src, tgt, answer, wrong)
+            pooled[direction].append(res)
+            frac = fraction_restored(res["ld"], res["ld_source"], res["ld_target"])
+            per_pair = (res["ld"] - res["ld_target"]) / (res["ld_source"] - res["ld_target"])
+            ci = _bootstrap_restored(res["ld"], res["ld_source"], res["ld_target"])
+            t_entry[direction] = {
+                "positions": res["positions"], "patched": res["patched"].tolist(),
+                "fraction": _r(frac), "fraction_ci95": _r(ci), "per_pair_mean": _r(per_pair.mean(-1)),
+                "per_pair_sd": _r(per_pair.std(-1)),
+                "ld_source": summary(res["ld_source"]), "ld_target": summary(res["ld_target"]),
+                "ld_source_per_pair": _r(res["ld_source"], 3), "ld_target_per_pair": _r(res["ld_target"], 3),
+                "ld_per_pair": _r(res["ld"], 3)}
+            log(f"{name} {direction}: {time.perf_counter() - tick:.0f} s; LD source "
+                f"{float(res['ld_source'].mean()):+.2f}, target {float(res['ld_target'].mean()):+.2f}")
+        clean_ld, corrupted_ld = t_entry["denoising"]["ld_source_per_pair"], t_entry["denoising"]["ld_target_per_pair"]
+        t_entry["clean_right"] = sum(x > 0 for x in clean_ld) / len(clean_ld)
+        t_entry["corrupted_flipped"] = sum(x < 0 for x in corrupted_ld) / len(corrupted_ld)
+        found["by_template"][name] = t_entry
+    found["pooled"] = {}
+    for direction, results in pooled.items():
+        if len({tuple(r["positions"]) for r in results}) != 1:
+            continue
+        ld = torch.cat([r["ld"] for r in results], dim=-1)
+        src, tgt = torch.cat([r["ld_source"] for r in results]), torch.cat([r["ld_target"] for r in results])
+        per_pair = (ld - tgt) / (src - tgt)
+        found["pooled"][direction] = {"positions": results[0]["positions"], "n": src.numel(),
+                                      "fraction": _r(fraction_restored(ld, src, tgt)),
+                                      "fraction_ci95": _r(_bootstrap_restored(ld, src, tgt)),
+                                      "per_pair_mean": _r(per_pair.mean(-1)), "per_pair_sd": _r(per_pair.std(-1)),
+                                      "ld_source": summary(src), "ld_target": summary(tgt)}
+    return found
+
+
 def store(key: str, entry: dict, section: str = "runs") -> None:
     """Add one entry to the JSON file (several commands may run at once: see tools/results_file.py)."""
     add_entry(OUT, key, entry, section=section, header={
@@ -389,14 +1044,43 @@ def store(key: str, entry: dict, section: str = "runs") -> None:
                   "for what is measured and the phase-change rule. Each entry says which command made it.")})
 
 
+def measure_new(name: str, log=print) -> dict:
+    """Make the entry ``name`` (one of ``NEW_ENTRIES``) on SmolLM2; returns it, machine and wall time included."""
+    from groundup.pretrained import load_smollm2
+
+    tick = time.perf_counter()
+    model, tok = load_smollm2()
+    model.eval()
+    if name == "smollm2-induction":
+        entry = induction_entry(model, log=log)
+    elif name == "smollm2-two-tier":
+        entry = two_tier_entry(model, log=log)
+    else:
+        entry = name_swap_entry(model, tok, log=log)
+    return {"model": SMOLLM2, **entry, "machine": machine(), "wall_seconds": round(time.perf_counter() - tick, 1)}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, action="append", help="a seed (repeatable; default: 0, 1, 2)")
-    p.add_argument("--entry", choices=ENTRIES, action="append",
+    p.add_argument("--entry", choices=ENTRIES + NEW_ENTRIES, action="append",
                    help="measure SmolLM2 or chapter 7's model instead of training (repeatable)")
     p.add_argument("--windows", action="store_true",
                    help="only recompute the stored runs' phase-change windows from their stored curves")
     args = p.parse_args(argv)
+    new = [name for name in args.entry or [] if name in NEW_ENTRIES]
+    if new:
+        if len(new) != len(args.entry) or args.seed or args.windows:
+            p.error(f"--entry {' / '.join(NEW_ENTRIES)} run under the notebooks' arithmetic, the other entries and "
+                    "the seeds did not: run them in separate commands")
+        on_notebook_arithmetic()  # starts this command again under it, unless the shell set it
+        torch.set_num_threads(1)
+        for name in new:
+            entry = measure_new(name, log=lambda m: print(m, flush=True))
+            entry = {"command": f"OMP_NUM_THREADS=1 python tools/ch14_results.py --entry {name}", **entry}
+            store(name, entry, section="measurements")
+            print(f"{name}: {entry['wall_seconds']} s", flush=True)
+        return
     if args.windows:
         for key, pc in recompute_windows().items():
             print(f"{key}: {pc}")
