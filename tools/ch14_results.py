@@ -100,7 +100,7 @@ to 4 digits. An *induction head* scores at least ``INDUCTION_CUT`` = 0.4 (mean o
 head less than ``CONTROL_MAX`` = 0.1.
 
 * ``smollm2-induction``: (1) every head's induction score (eq. 14.4, per sequence: ``induction_mean`` / ``_sd``
-  [layer][head]) and its direct share, the chapter's centred direct logit attribution (14.8b) of the right next
+  [layer][head]) and its direct share, the chapter's centred direct logit attribution (14.10) of the right next
   token, each sequence's mean over the repeat positions (``dla_mean`` / ``_sd``; the whole centred logit, the 270
   heads' and the rest's shares as summaries); ``heads`` lists, with per-sequence values, every head with
   ``|share| >= LARGE_SHARE`` = 0.2 logits, every induction head, the top five by induction score and 23.2, 23.7.
@@ -571,7 +571,7 @@ def _reading(model: GPT, final: torch.Tensor, tokens: torch.Tensor) -> torch.Ten
 
 def head_direct_shares(model: GPT, final: torch.Tensor, tokens: torch.Tensor, layer: int,
                        z: torch.Tensor) -> torch.Tensor:
-    """The centred direct logit attribution (14.8b) of layer ``layer``'s heads to the right next token, each
+    """The centred direct logit attribution (14.10) of layer ``layer``'s heads to the right next token, each
     sequence's mean over the positions of :func:`repeat_slice`: ``(batch, n_heads)``, from the last stream entry
     ``final`` and the heads' outputs ``z`` ``(batch, 2H, n_heads, d_head)`` of that run (``z`` may also be one
     head's ``(batch, 2H, d_head)`` with ``W_o``'s columns of that head: pass ``layer=(layer, head)``)."""
@@ -974,7 +974,7 @@ def patch_per_example(model: GPT, source: torch.Tensor, target: torch.Tensor, an
 
 
 def fraction_restored(ld: torch.Tensor, ld_source: torch.Tensor, ld_target: torch.Tensor) -> torch.Tensor:
-    """(14.9) with the means over the examples (the last dimension), as residual_patching:
+    """(14.11) with the means over the examples (the last dimension), as residual_patching:
     ``(mean ld - mean ld_target) / (mean ld_source - mean ld_target)``."""
     return (ld.mean(-1) - ld_target.mean()) / (ld_source.mean() - ld_target.mean())
 
