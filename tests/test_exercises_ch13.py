@@ -134,7 +134,7 @@ LOSSES = {"cross_entropy": F.cross_entropy,
 
 
 def stopper(*, restore=True, clone=True, ties="earliest", count_on="held", eval_mode=True,
-            back_to_train=True, fraction=False, from_zero=False, unfreeze=False, on_a_copy=False,
+            back_to_train=True, every_step=False, fraction=False, from_zero=False, unfreeze=False, on_a_copy=False,
             weight_decay=0.0, last=False, optimizer="fused", loss="cross_entropy"):
     """The early-stopping loop, or one with a mistake; ``optimizer`` and ``loss`` choose among honest ways of
     writing the training step (:data:`OPTIMIZERS`, :data:`LOSSES`)."""
@@ -153,7 +153,7 @@ def stopper(*, restore=True, clone=True, ties="earliest", count_on="held", eval_
             adamw.zero_grad()
             loss_value.backward()
             adamw.step()
-            if step % every == 0:
+            if step % every == 0 or every_step:
                 x, y = (held_ids, held_labels) if count_on == "held" else (ids, labels)
                 if eval_mode:
                     head.eval()
@@ -331,6 +331,19 @@ def test_rslora_with_peft_is_refused(capsys):
     assert not ok and "peft" in out, out
 
 
+def test_rslora_with_peft_scaling_is_refused(capsys):
+    peft = pytest.importorskip("peft")
+
+    def peft_scale(x, W, b, A, B, alpha):
+        r = A.shape[0]
+        config = peft.LoraConfig(r=r, lora_alpha=alpha, use_rslora=True)
+        layer = peft.tuners.lora.Linear(nn.Linear(2, 2), "default", config, r=r, lora_alpha=alpha, use_rslora=True)
+        return x @ W.T + b + layer.scaling["default"] * (x @ A.T) @ B.T
+
+    ok, out = verdict(check_rslora_forward, peft_scale, capsys)
+    assert not ok and "peft's LoraLayer" in out and "write the adapter yourself" in " ".join(out.split()), out
+
+
 def update_rms(alpha=16.0, d=256, ranks=(1, 4, 16, 64, 256)):
     """Exercise 13.1 (b) as the hidden solution answers it: the RMS of scale * B A x for A, B and x of i.i.d.
     standard-normal entries, under LoRA's scale alpha / r and rsLoRA's alpha / sqrt(r)."""
@@ -368,7 +381,8 @@ def test_the_checkers_rms_measurement_is_the_closed_form():
 
 def measuring(r, d_in, alpha, scale):
     s = alpha / r if scale == "lora" else alpha / math.sqrt(r)
-    A, B, x = torch.randn(r, d_in), torch.randn(64, r), torch.randn(d_in, 256)
+    g = torch.Generator().manual_seed(r * d_in)  # seeded: a measurement lands within 0.1 % now and then
+    A, B, x = (torch.randn(*shape, generator=g) for shape in ((r, d_in), (64, r), (d_in, 256)))
     return s * (B @ (A @ x)).pow(2).mean().sqrt().item()
 
 
@@ -387,6 +401,8 @@ def scaled(r, d_in, alpha, scale, form):
     (lambda r, d, a, sc: scaled(r, d, a, sc, lambda s, r, d: s * math.sqrt(r)), "d_in enters"),
     (lambda r, d, a, sc: scaled(r, d, a, sc, lambda s, r, d: s * r * math.sqrt(d)), "Variances add"),
     (measuring, "close to a measurement"),
+    (lambda r, d, a, sc: round(update_rms_solution(r, d, a, sc), 2), "it looks rounded"),
+    (lambda r, d, a, sc: float(f"{update_rms_solution(r, d, a, sc):.4g}"), "it looks rounded"),
     (lambda r, d, a, sc: 3 * update_rms_solution(r, d, a, sc), "3 times the right one"),
     (lambda r, d, a, sc: str(update_rms_solution(r, d, a, sc)), "a number"),
     (lambda r, d, a, sc: None, "forget the `return`"),
@@ -485,7 +501,7 @@ def returning_w(W, old, new, alpha):
 HONEST_SWAPS = [swap_solution, subtract_then_add, one_update, in_float64, through_data]
 
 
-@pytest.mark.parametrize("swap", HONEST_SWAPS + [returning_w])
+@pytest.mark.parametrize("swap", HONEST_SWAPS)
 def test_honest_swaps_pass(swap, capsys):
     ok, out = verdict(check_adapter_swap, swap, capsys)
     assert ok, out
@@ -593,6 +609,7 @@ def transposed(W, old, new, alpha):
     (gradients_off, "Leave requires_grad as it is"),
     (new_memory, "no longer uses its own memory"),
     (and_a_copy, "return nothing"),
+    (returning_w, "Change W in place and return nothing"),
     (scaled_adapters, "Leave A1, B1, A2 and B2 as they are"),
     (transposed, "B1 @ A1 has W's shape"),
     (lambda W, old, new, alpha: None, "left W as it was"),
@@ -791,18 +808,76 @@ def test_count_from_transformers_llama_parts_is_refused(part, capsys):
     assert not ok and f"transformers.{part}" in out and "without building a block" in out, out
 
 
+def linear_without_init(d_in, d_out):
+    """An nn.Linear made without nn.Linear.__init__ (which the count's checker refuses), for peft to wrap."""
+    layer = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(layer)
+    layer.in_features, layer.out_features = d_in, d_out
+    layer.weight, layer.bias = nn.Parameter(torch.empty(d_out, d_in)), None
+    return layer
+
+
 def test_count_with_peft_is_refused(capsys):
     peft = pytest.importorskip("peft")
 
     def with_peft(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
         d_kv = d_model // n_heads * n_kv_heads
-        block = nn.ModuleDict({"q_proj": nn.Linear(d_model, d_model), "v_proj": nn.Linear(d_model, d_kv)})
+        block = nn.ModuleDict({"q_proj": linear_without_init(d_model, d_model),
+                               "v_proj": linear_without_init(d_model, d_kv)})
         model = peft.get_peft_model(nn.Sequential(*[copy.deepcopy(block) for _ in range(n_layers)]),
                                     peft.LoraConfig(r=r, target_modules=["q_proj", "v_proj"]))
         return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     ok, out = verdict(check_lora_parameter_count, with_peft, capsys)
     assert not ok and "peft" in out, out
+
+
+@pytest.mark.parametrize("name", ["MistralForCausalLM", "Qwen2ForCausalLM"])
+def test_count_from_any_transformers_model_is_refused(name, capsys):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, name):
+        pytest.skip(f"this transformers has no {name}")
+
+    def from_a_model(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
+        kind = getattr(transformers, name)
+        config = kind.config_class(vocab_size=8, hidden_size=d_model, intermediate_size=d_ff,
+                                   num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                                   num_key_value_heads=n_kv_heads)
+        with torch.device("meta"):
+            model = kind(config)
+        names = {"W_q": "q_proj", "W_k": "k_proj", "W_v": "v_proj", "W_o": "o_proj", "W_gate": "gate_proj",
+                 "W_in": "up_proj", "W_out": "down_proj"}
+        return sum(r * (m.in_features + m.out_features) for n, m in model.named_modules()
+                   if n.split(".")[-1] in {names[t] for t in targets})
+
+    ok, out = verdict(check_lora_parameter_count, from_a_model, capsys)
+    out = " ".join(out.split())
+    assert not ok and "torch.nn." in out and "write down each matrix's shape" in out, out
+
+
+def test_count_from_built_linear_layers_is_refused(capsys):
+    def from_layers(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
+        d_kv = d_model // n_heads * n_kv_heads
+        with torch.device("meta"):
+            layers = {"W_q": nn.Linear(d_model, d_model), "W_k": nn.Linear(d_model, d_kv),
+                      "W_v": nn.Linear(d_model, d_kv), "W_o": nn.Linear(d_model, d_model),
+                      "W_gate": nn.Linear(d_model, d_ff), "W_in": nn.Linear(d_model, d_ff),
+                      "W_out": nn.Linear(d_ff, d_model)}
+        return n_layers * sum(r * (layers[t].in_features + layers[t].out_features) for t in targets)
+
+    ok, out = verdict(check_lora_parameter_count, from_layers, capsys)
+    out = " ".join(out.split())
+    assert not ok and "torch.nn.Linear" in out and "write down each matrix's shape" in out, out
+
+
+def test_count_from_an_embedding_is_refused(capsys):
+    def with_an_embedding(*args):
+        with torch.device("meta"):
+            nn.Embedding(8, args[1])
+        return count_solution(*args)
+
+    ok, out = verdict(check_lora_parameter_count, with_an_embedding, capsys)
+    assert not ok and "torch.nn.Embedding" in out, out
 
 
 # --- Exercise 13.4: labels for every assistant turn -------------------------------------------------------------
@@ -1108,6 +1183,17 @@ def test_surgery_with_the_packages_layer_is_refused(capsys):
     assert not ok and "groundup.lora.LoRALinear" in out, out
 
 
+def test_surgery_with_the_packages_name_rule_is_refused(capsys):
+    from groundup import lora
+    from groundup.lora import _matches
+
+    for match in (_matches, lambda n, t: lora._matches(n, t)):  # imported before, or looked up in the module
+        ok, out = verdict(check_lora_surgery, lambda m, t, r, a, match=match: surgery_solution(m, t, r, a,
+                                                                                                match=match), capsys)
+        out = " ".join(out.split())
+        assert not ok and "groundup.lora._matches" in out and "Write the name rule yourself" in out, out
+
+
 def test_surgery_with_peft_is_refused(capsys):
     peft = pytest.importorskip("peft")
 
@@ -1278,6 +1364,7 @@ def test_honest_adamw_variants_stay_well_within_the_tolerance():
     (stopper(back_to_train=False), "back in train mode"),
     (stopper(fraction=True), "not the accuracy"),
     (stopper(from_zero=True), "Steps count from 1"),
+    (stopper(every_step=True), "only after every `every` ="),
     (stopper(unfreeze=True), "Train only the parameters that require gradients"),
     (stopper(on_a_copy=True), "Train the head you are given"),
     (stopper(last=True), "not the last step's"),

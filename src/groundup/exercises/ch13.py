@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import groundup.lora
 from groundup.attention import MultiHeadAttention
 from groundup.classification import ClassifierHead, classifier_for, fine_tune
 from groundup.exercises.checking import (
@@ -45,7 +46,7 @@ from groundup.exercises.checking import (
 )
 from groundup.instructions import encode_instructions
 from groundup.layers import FeedForward, TransformerBlock
-from groundup.lora import LoRALinear, attach_lora, lora_parameter_count, merge_lora, unmerge_lora
+from groundup.lora import LoRALinear, _matches, attach_lora, lora_parameter_count, merge_lora, unmerge_lora
 from groundup.models import GPT, GPTConfig
 from groundup.training import train
 
@@ -70,8 +71,8 @@ def _if_installed(forbidden: Callable[[], list]) -> list:
 
 @functools.cache
 def _lora_solutions() -> tuple:
-    """What an answer must not call: the package's LoRA layer, and peft's where peft is installed (imported here,
-    so that a function importing peft itself is caught too)."""
+    """What an answer must not call: the package's LoRA layer, and peft's where peft is installed, its forward
+    and delta and building one at all (imported here, so that a function importing peft itself is caught too)."""
     forbid = [Forbidden(LoRALinear, "forward", label="groundup.lora.LoRALinear.forward", hint=_LORA_HINT),
               Forbidden(LoRALinear, "delta_weight", label="groundup.lora.LoRALinear.delta_weight", hint=_LORA_HINT),
               Forbidden(LoRALinear, "merge", label="groundup.lora.LoRALinear.merge", hint=_LORA_HINT)]
@@ -80,6 +81,10 @@ def _lora_solutions() -> tuple:
         from peft.tuners.lora import layer as peft_layer
         return [Forbidden(peft_layer.Linear, "forward", label="peft's LoRA Linear.forward", hint=_LORA_HINT),
                 Forbidden(peft_layer.Linear, "get_delta_weight", label="peft's LoRA Linear.get_delta_weight",
+                          hint=_LORA_HINT),
+                # building any of peft's LoRA layers (to read its scaling, say) goes through these two
+                Forbidden(peft_layer.LoraLayer, "__init__", label="peft's LoraLayer", hint=_LORA_HINT),
+                Forbidden(peft_layer.LoraLayer, "update_layer", label="peft's LoraLayer.update_layer",
                           hint=_LORA_HINT)]
 
     return tuple(forbid + _if_installed(peft_layer))
@@ -273,6 +278,10 @@ def check_update_rms(fn: Callable) -> Verdict:
             if hints:  # alpha / r times r sqrt(d_in) is rsLoRA's alpha sqrt(d_in): two mistakes can give one value
                 raise Mismatch(what, hints[0] if len(hints) == 1 else "Two mistakes give this value. Either: "
                                + " Or: ".join(hints))
+            if math.isfinite(got) and math.isclose(got, exact, rel_tol=1e-3):
+                raise Mismatch(what, "Your value agrees with the exact prediction to a few digits but not to all: "
+                               "it looks rounded (or measured very precisely). Return the closed form's value "
+                               "itself, s * math.sqrt(r * d_in), without rounding it.")
             if math.isfinite(got) and abs(got / measured - 1) < 0.15:
                 raise Mismatch(what, "That is close to a measurement, not the exact prediction: derive the RMS "
                                "from the variance of one entry of A x, then of B (A x), and the scale s.")
@@ -368,7 +377,7 @@ def _swap_inputs(case: dict, parameter: bool) -> tuple:
 def _swap_report(case: dict, W: torch.Tensor, old: tuple, new: tuple, memory: int, returned) -> dict:
     """What the reader's swap did, as plain values: what came back, whether W still has its memory, its
     requires_grad and numbers, and whether the adapters were left alone."""
-    return {"returned": None if returned is W else returned,
+    return {"returned": returned, "returned_W": returned is W,
             "same_memory": W.data_ptr() == memory and tuple(W.shape) == tuple(case["merged"].shape),
             "requires_grad": W.requires_grad, "W": W.detach().clone(),
             "adapters_kept": all(torch.equal(t, case[k]) for t, k in zip(old + new, ("A1", "B1", "A2", "B2")))}
@@ -454,6 +463,9 @@ def check_adapter_swap(fn: Callable) -> Verdict:
                                "float32 rounding allowed", "W holds base + (alpha / r1) B1 A1; subtract "
                                "(alpha / r1) B1 A1 and add (alpha / r2) B2 A2, with r1 = A1.shape[0] and "
                                "r2 = A2.shape[0].")
+            expect(not report["returned_W"], f"{call} returned W",
+                   "Change W in place and return nothing: the caller already holds W, which now has the new "
+                   "adapter merged, so the exercise's function returns None.")
             expect(returned is None, f"{call} returned {type(returned).__name__}, a value other than W",
                    "W now holds the answer, so return nothing (None): a returned copy would be a second full-size "
                    "weight.")
@@ -480,10 +492,13 @@ def _lora_shapes(d_model: int, n_heads: int, n_kv_heads: int, d_ff: int) -> dict
 
 _COUNT_HINT = ("The exercise is to count with the formula r (d_in + d_out) per adapted matrix, without building "
                "adapters or a model.")
+_SHAPES_HINT = ("write down each matrix's shape (d_out, d_in) from d_model, n_heads, n_kv_heads and d_ff (with "
+                "grouped-query attention W_K and W_V have n_kv_heads * d_model / n_heads rows), then apply "
+                "r (d_in + d_out).")
 _BLOCK_HINT = ("Count without building a block, its attention or its feed-forward to read the layers' in_features "
-               "and out_features: write down each matrix's shape (d_out, d_in) from d_model, n_heads, n_kv_heads and "
-               "d_ff (with grouped-query attention W_K and W_V have n_kv_heads * d_model / n_heads rows), then apply "
-               "r (d_in + d_out).")
+               "and out_features: " + _SHAPES_HINT)
+_LAYER_HINT = ("Count without building a model or any layer of one (an nn.Linear or nn.Embedding, of any library, "
+               "even on the meta device) to read its shapes: " + _SHAPES_HINT)
 
 
 @functools.cache
@@ -491,15 +506,20 @@ def _count_builders() -> tuple:
     """What a count must not call: the package's count, adapters, GPT and its parts (a block, its attention, its
     feed-forward: each would tell the layers' shapes), the checker's own shapes, and, where they are installed,
     transformers' LLaMA model, blocks, attention and MLP and peft's LoRA model and layers (imported here, not when
-    the reader's function runs, so that a function importing them itself is caught too). Building is caught in
-    ``__init__``, so a model built on the meta device is caught too."""
+    the reader's function runs, so that a function importing them itself is caught too), and any nn.Linear or
+    nn.Embedding at all, so that any other library's model (transformers' Mistral or Qwen2, ...) is caught too.
+    Building is caught in ``__init__``, so a model built on the meta device is caught too."""
     forbid = [lora_parameter_count, attach_lora, _lora_shapes,
               Forbidden(LoRALinear, "__init__", label="groundup.lora.LoRALinear", hint=_COUNT_HINT),
               Forbidden(GPT, "__init__", label="groundup.models.GPT", hint=_COUNT_HINT),
               Forbidden(TransformerBlock, "__init__", label="groundup.layers.TransformerBlock", hint=_BLOCK_HINT),
               Forbidden(MultiHeadAttention, "__init__", label="groundup.attention.MultiHeadAttention",
                         hint=_BLOCK_HINT),
-              Forbidden(FeedForward, "__init__", label="groundup.layers.FeedForward", hint=_BLOCK_HINT)]
+              Forbidden(FeedForward, "__init__", label="groundup.layers.FeedForward", hint=_BLOCK_HINT),
+              # every model of every library (transformers' Mistral, Qwen2, ...) is built of these: caught last,
+              # after the named builders above, which a model's __init__ reaches first
+              Forbidden(nn.Linear, "__init__", label="torch.nn.Linear", hint=_LAYER_HINT),
+              Forbidden(nn.Embedding, "__init__", label="torch.nn.Embedding", hint=_LAYER_HINT)]
 
     def llama():
         from transformers.models.llama import modeling_llama
@@ -569,8 +589,8 @@ def check_lora_parameter_count(fn: Callable) -> Verdict:
     numbers of rank-``r`` adapters on the ``targets`` projections (names from :data:`LORA_TARGETS`) of every one of
     ``n_layers`` LLaMA-style blocks. Calling the package's count, attaching adapters or building a model or a part
     of one to read its shapes (the package's GPT, TransformerBlock, MultiHeadAttention or FeedForward,
-    transformers' LLaMA model, decoder layer, attention or MLP, peft's LoRA model) is refused; the cases after
-    SmolLM2's are new each call."""
+    transformers' LLaMA model, decoder layer, attention or MLP, peft's LoRA model, and any ``nn.Linear`` or
+    ``nn.Embedding``, so any other model too) is refused; the cases after SmolLM2's are new each call."""
     forbid = _count_builders()
 
     def checks():
@@ -775,11 +795,20 @@ _SURGERY_HINT = ("The exercise is to do the surgery yourself, with the chapter's
                  "solutions, so calling them proves nothing.")
 
 
+_MATCH_HINT = ("Write the name rule yourself, it is half the exercise: groundup.lora's _matches is the book's own. "
+               "A layer's dotted name matches a target t when it equals t or ends with '.' + t.")
+
+
 @functools.cache
 def _surgery_solutions() -> tuple:
-    """What module surgery must not call: the package's attach_lora and LoRA layer, and peft's injection where
-    peft is installed (imported here, so that a function importing peft itself is caught too)."""
-    forbid = [attach_lora, Forbidden(LoRALinear, "__init__", label="groundup.lora.LoRALinear", hint=_SURGERY_HINT)]
+    """What module surgery must not call: the package's attach_lora, name rule (``_matches``) and LoRA layer, and
+    peft's injection where peft is installed (imported here, so that a function importing peft itself is caught
+    too)."""
+    forbid = [attach_lora, Forbidden(LoRALinear, "__init__", label="groundup.lora.LoRALinear", hint=_SURGERY_HINT),
+              # the package's name rule, half the exercise: its code is swapped (every reference to it is caught),
+              # and its entry in groundup.lora too, which gives both the same label and so the hint
+              _matches, Forbidden(groundup.lora, "_matches", label=f"{_matches.__module__}.{_matches.__qualname__}",
+                                  hint=_MATCH_HINT)]
 
     def peft_injection():
         from peft import get_peft_model, inject_adapter_in_model
@@ -1198,6 +1227,7 @@ def _stopping_mistakes(head: ClassifierHead, data: tuple, steps: int, lr: float,
     """The plausible mistakes as ``(hint, (best_step, best_right), trainable parameters left in the head)``."""
     in_train_mode, _ = _stopping_run(head, *data, steps, lr, every, eval_mode=False)
     stays_in_eval, _ = _stopping_run(head, *data, steps, lr, every, back_to_train=False)
+    every_step, _ = _stopping_run(head, *data, steps, lr, 1)  # the same training: a count in eval mode draws nothing
     mistakes = [(_best(record, latest=True), "On a tie keep the earliest step: take a new copy only when the count "
                  "is strictly higher (`>`, not `>=`)."),
                 (_best(record, 2), "Count the held-out examples (held_ids, held_labels), not the training batch: "
@@ -1206,6 +1236,8 @@ def _stopping_mistakes(head: ClassifierHead, data: tuple, steps: int, lr: float,
                 (_best(in_train_mode), "Count in eval mode (head.eval(), under torch.no_grad()): in train mode "
                  "dropout drops random features, so the count is noisy, and it draws random numbers that the "
                  "training then misses."),
+                (_best(every_step), f"Count the held-out examples only after every `every` = {every} steps (when "
+                 "step % every == 0), not after each step: best_step is one of every, 2 every, 3 every, ..."),
                 (_best(stays_in_eval), "Put the head back in train mode (head.train()) after each count: otherwise "
                  "the rest of the training runs without dropout."),
                 ((steps, record[-1][1], final), "Return the best step and its count, not the last step's, and put "
