@@ -15,7 +15,7 @@ from groundup.exercises.ch14 import (
     check_k_composition,
     check_k_composition_row,
     check_logit_lens_ranks,
-    check_zero_ablation,
+    check_mean_ablation,
     k_composition,
     permute_heads,
     planted_model,
@@ -40,12 +40,12 @@ def find_solution(model, tokens):
     return divmod(int(prev.argmax()), n), divmod(int(ind.argmax()), n)
 
 
-def ablation_solution(model, tokens, layer, head):
+def _mean_ablated(model, tokens, layer, head, mean):
     d_head = model.config.d_model // model.config.n_heads
 
     def pre_hook(module, args):
         z = args[0].clone()
-        z[..., head * d_head:(head + 1) * d_head] = 0.0
+        z[..., head * d_head:(head + 1) * d_head] = mean
         return (z,) + args[1:]
 
     handle = model.blocks[layer].attention.W_o.register_forward_pre_hook(pre_hook)
@@ -53,6 +53,23 @@ def ablation_solution(model, tokens, layer, head):
         return in_context_loss(model, tokens)
     finally:
         handle.remove()
+
+
+def _head_mean(model, ids, layer, head, dims=(0,)):
+    d_head = model.config.d_model // model.config.n_heads
+    seen = []
+    handle = model.blocks[layer].attention.W_o.register_forward_pre_hook(
+        lambda module, args: seen.append(args[0][..., head * d_head:(head + 1) * d_head]))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        handle.remove()
+    return seen[0].mean(dims)
+
+
+def mean_ablation_solution(model, tokens, reference, layer, head):
+    return _mean_ablated(model, tokens, layer, head, _head_mean(model, reference, layer, head))
 
 
 def k_composition_solution(w_qk, w_ov):
@@ -203,7 +220,7 @@ def verdict(checker, fn, capsys):
 
 
 @pytest.mark.parametrize("checker, solution", [(check_find_induction_circuit, find_solution),
-                                               (check_zero_ablation, ablation_solution),
+                                               (check_mean_ablation, mean_ablation_solution),
                                                (check_k_composition, k_composition_solution),
                                                (check_k_composition_row, k_composition_row_solution),
                                                (check_logit_lens_ranks, lens_solution),
@@ -355,81 +372,113 @@ def test_find_refuses_the_packages_scores(capsys):
 # --- Exercise 14.2 -------------------------------------------------------------------------------------------
 
 
-def test_zero_ablation_names_the_usual_mistakes(capsys):
-    ok, out = verdict(check_zero_ablation, lambda m, t, layer, head: in_context_loss(m, t), capsys)
+def test_mean_ablation_checker_agrees_with_the_package():
+    """The checker's own hooks give what interp.ablate_heads(mode="mean") with per-position means gives."""
+    model = ch14._random_model(14)
+    g = torch.Generator().manual_seed(3)
+    tokens, reference = ch14._permutation_repeats(8, 8, 16, g), ch14._permutation_repeats(12, 8, 16, g)
+    means = interp.mean_head_outputs(model, reference, per_position=True)
+    for layer, head in ((0, 2), (1, 3)):
+        z = ch14._head_slices(model, reference, layer)[..., head, :].mean(0)
+        ours = ch14._replaced_loss(model, tokens, layer, head, z)
+        with interp.ablate_heads(model, [(layer, head)], mode="mean", means=means):
+            package = in_context_loss(model, tokens)
+        assert ours == pytest.approx(package, abs=1e-6)
+        assert abs(ours - in_context_loss(model, tokens)) > 1e-3  # the ablation changes something
+
+
+def test_mean_ablation_names_the_usual_mistakes(capsys):
+    def zeroed(model, tokens, reference, layer, head):
+        return _mean_ablated(model, tokens, layer, head, 0.0)
+
+    ok, out = verdict(check_mean_ablation, zeroed, capsys)
+    assert not ok and "zero ablation" in out
+
+    def one_mean(model, tokens, reference, layer, head):
+        return _mean_ablated(model, tokens, layer, head, _head_mean(model, reference, layer, head, (0, 1)))
+
+    ok, out = verdict(check_mean_ablation, one_mean, capsys)
+    assert not ok and "each position" in out
+
+    def means_of_tokens(model, tokens, reference, layer, head):
+        return _mean_ablated(model, tokens, layer, head, _head_mean(model, tokens, layer, head))
+
+    ok, out = verdict(check_mean_ablation, means_of_tokens, capsys)
+    assert not ok and "from `reference`" in out
+
+    def unchanged(model, tokens, reference, layer, head):
+        return in_context_loss(model, tokens)
+
+    ok, out = verdict(check_mean_ablation, unchanged, capsys)
     assert not ok and "did not change" in out
 
-    def whole_layer(model, tokens, layer, head):
-        handle = model.blocks[layer].attention.W_o.register_forward_pre_hook(
-            lambda m, args: (torch.zeros_like(args[0]),))
-        try:
-            return in_context_loss(model, tokens)
-        finally:
-            handle.remove()
+    def next_head(model, tokens, reference, layer, head):
+        other = (head + 1) % model.config.n_heads
+        return mean_ablation_solution(model, tokens, reference, layer, other)
 
-    ok, out = verdict(check_zero_ablation, whole_layer, capsys)
-    assert not ok and "every head of the layer" in out
+    ok, out = verdict(check_mean_ablation, next_head, capsys)  # on the hand-built model: a decoy, no change
+    assert not ok and "did not change" in out
 
-    def next_head(model, tokens, layer, head):
-        return ablation_solution(model, tokens, layer, (head + 1) % model.config.n_heads)
-
-    ok, out = verdict(check_zero_ablation, next_head, capsys)  # on the hand-built model: a decoy, no change
-    assert not ok and "did not change" in out and "columns of head" in out
-
-    def next_head_on_random_model(model, tokens, layer, head):
+    def next_head_on_random_model(model, tokens, reference, layer, head):
         if model.config.n_heads == 2:
-            return ablation_solution(model, tokens, layer, head)
-        return next_head(model, tokens, layer, head)
+            return mean_ablation_solution(model, tokens, reference, layer, head)
+        return next_head(model, tokens, reference, layer, head)
 
-    ok, out = verdict(check_zero_ablation, next_head_on_random_model, capsys)
-    assert not ok and "next head" in out
-    ok, out = verdict(check_zero_ablation, lambda *args: "0.5", capsys)
+    ok, out = verdict(check_mean_ablation, next_head_on_random_model, capsys)
+    assert not ok and "another head" in out
+    ok, out = verdict(check_mean_ablation, lambda *args: "0.5", capsys)
     assert not ok and "float" in out
 
 
-def test_zero_ablation_rejects_a_hook_left_behind_and_zeroed_value_rows(capsys):
-    def never_removed(model, tokens, layer, head):
+def test_mean_ablation_rejects_a_hook_left_behind(capsys):
+    def never_removed(model, tokens, reference, layer, head):
         d_head = model.config.d_model // model.config.n_heads
-        model.blocks[layer].attention.W_o.register_forward_pre_hook(
-            lambda m, args: (args[0].index_fill(-1, torch.arange(head * d_head, (head + 1) * d_head), 0.0),))
+        mean = _head_mean(model, reference, layer, head)
+
+        def pre_hook(module, args):
+            z = args[0].clone()
+            z[..., head * d_head:(head + 1) * d_head] = mean
+            return (z,)
+
+        model.blocks[layer].attention.W_o.register_forward_pre_hook(pre_hook)
         return in_context_loss(model, tokens)
 
-    ok, out = verdict(check_zero_ablation, never_removed, capsys)
+    ok, out = verdict(check_mean_ablation, never_removed, capsys)
     assert not ok and "left 1 hook(s)" in out and "handle.remove()" in out
 
-    def zero_value_rows(model, tokens, layer, head):  # leaves the value bias: not the head's output set to 0
-        d_head = model.config.d_model // model.config.n_heads
-        model = copy.deepcopy(model)
-        with torch.no_grad():
-            model.blocks[layer].attention.W_v.weight[head * d_head:(head + 1) * d_head] = 0.0
-        return in_context_loss(model, tokens)
 
-    ok, out = verdict(check_zero_ablation, zero_value_rows, capsys)
-    assert not ok and "on a random 4-head model" in out and "slice of W_o" in out
-
-
-def test_zero_ablation_draws_new_sequences_on_every_call(capsys):
+def test_mean_ablation_draws_new_sequences_on_every_call(capsys):
     seen = []
 
-    def remembers(model, tokens, layer, head):
-        seen.append(tokens.tolist())
-        return ablation_solution(model, tokens, layer, head)
+    def remembers(model, tokens, reference, layer, head):
+        seen.append(reference.tolist())
+        return mean_ablation_solution(model, tokens, reference, layer, head)
 
     for _ in range(2):
-        assert verdict(check_zero_ablation, remembers, capsys)[0]
+        assert verdict(check_mean_ablation, remembers, capsys)[0]
     assert seen[0] != seen[len(seen) // 2]
 
 
-def test_zero_ablation_refuses_the_packages_ablate_heads(capsys):
-    def calls_package(model, tokens, layer, head):
-        with interp.ablate_heads(model, [(layer, head)]):
+@pytest.mark.parametrize("cheat, name", [("ablate_heads", "ablate_heads"), ("means", "mean_head_outputs"),
+                                         ("outputs", "head_outputs")])
+def test_mean_ablation_refuses_the_packages_tools(cheat, name, capsys):
+    def calls_package(model, tokens, reference, layer, head):
+        if cheat == "outputs":
+            mean = interp.head_outputs(model, reference)[layer][:, :, head].mean(0)
+            return _mean_ablated(model, tokens, layer, head, mean)
+        if cheat == "means":
+            means = interp.mean_head_outputs(model, reference, per_position=True)
+            return _mean_ablated(model, tokens, layer, head, means[layer][:, head])
+        c = model.config
+        means = [torch.zeros(tokens.shape[1], c.n_heads, c.d_model // c.n_heads) for _ in range(c.n_layers)]
+        means[layer][:, head] = _head_mean(model, reference, layer, head)
+        with interp.ablate_heads(model, [(layer, head)], mode="mean", means=means):
             return in_context_loss(model, tokens)
 
-    ok, out = verdict(check_zero_ablation, calls_package, capsys)
-    assert not ok and "ablate_heads" in out
-    # the tripwire is gone afterwards: the package's function works again
+    ok, out = verdict(check_mean_ablation, calls_package, capsys)
+    assert not ok and name in out
     model = GPT(AttentionOnlyConfig(vocab_size=8, context_length=8, d_model=16, n_heads=2)).eval()
-    with interp.ablate_heads(model, [(0, 0)]):
+    with interp.ablate_heads(model, [(0, 0)]):  # the tripwire is gone afterwards
         pass
 
 
@@ -478,19 +527,6 @@ def _by_head_matrices(model, tokens):
 def test_find_refuses_interventions_and_the_weights(cheat, name, capsys):
     ok, out = verdict(check_find_induction_circuit, cheat, capsys)
     assert not ok and name in out
-
-
-def test_zero_ablation_accepts_a_zeroed_copy_without_a_hook(capsys):
-    """The task is the zero ablation, not the hook: a deep copy with the head's columns of W_o zeroed passes."""
-    def zeroed_copy(model, tokens, layer, head):
-        clone = copy.deepcopy(model)
-        d_head = model.config.d_model // model.config.n_heads
-        with torch.no_grad():
-            clone.blocks[layer].attention.W_o.weight[:, head * d_head:(head + 1) * d_head] = 0.0
-        return in_context_loss(clone, tokens)
-
-    ok, out = verdict(check_zero_ablation, zeroed_copy, capsys)
-    assert ok, out
 
 
 # --- Exercise 14.3, second part: the row of the K-composition table ----------------------------------------------

@@ -1,13 +1,13 @@
 """Checkers for chapter 14 (inside a trained transformer): finding the planted heads of a hand-built induction
-model with the reader's own scores (14.1), zero-ablating one head with a forward pre-hook (14.2), the
-K-composition score and a row of the trained model's K-composition table (14.3), and three tools one step beyond
-the chapter's: the logit lens read as ranks (14.7), direct logit attribution per head with the final norm's
-divisor frozen (14.8) and activation patching per head (14.9).
+model with the reader's own scores (14.1), mean-ablating one head position by position with the reader's own
+hooks (14.2), the K-composition score and a row of the trained model's K-composition table (14.3), and three
+tools one step beyond the chapter's: the logit lens read as ranks (14.7), direct logit attribution per head with
+the final norm's divisor frozen (14.8) and activation patching per head (14.9).
 
 Every checker computes the expected values before it calls the reader's function (which gets copies of its
 inputs), refuses the package's own solution and checks the type of what comes back; those of 14.3's second part
-and 14.7-14.9 compute them with hooks and formulas of their own, not with the tools they refuse (the tests check
-that the two agree). The checks of 14.1, 14.2 and 14.7-14.9
+and 14.2, 14.7-14.9 compute them with hooks and formulas of their own, not with the tools they refuse (the tests
+check that the two agree). The checks of 14.1, 14.2 and 14.7-14.9
 draw their token sequences afresh on every call (and 14.1 shuffles its four cases and how their weights are
 disguised), so answers remembered from an earlier run do not pass.
 """
@@ -39,7 +39,7 @@ from groundup.induction import AttentionOnlyConfig, hand_built_induction_model, 
 from groundup.models import GPT, GPTConfig
 
 __all__ = ["check_find_induction_circuit", "check_head_dla", "check_head_patching", "check_k_composition",
-           "check_k_composition_row", "check_logit_lens_ranks", "check_zero_ablation", "permute_heads",
+           "check_k_composition_row", "check_logit_lens_ranks", "check_mean_ablation", "permute_heads",
            "planted_model"]
 
 
@@ -249,7 +249,7 @@ def check_find_induction_circuit(fn: Callable) -> Verdict:
                       "Your scores found the previous-token head and the induction head in all four head orders.")
 
 
-# ---- Exercise 14.2: zero ablation with a hook -------------------------------------------------------------------
+# ---- Exercise 14.2: mean ablation with hooks of your own -------------------------------------------------------
 
 
 def _random_model(seed: int) -> GPT:
@@ -275,58 +275,97 @@ def _hooks_left(model: GPT) -> int:
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
 
-def _zero_loss(model: GPT, tokens: torch.Tensor, heads) -> float:
-    with interp.ablate_heads(model, heads):
+def _head_slices(model: GPT, ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """Block ``layer``'s heads before ``W_o`` on ``ids``: ``(batch, seq, n_heads, d_head)``, read by a pre-hook of
+    the checker's own (not :func:`~groundup.interpretability.head_outputs`)."""
+    seen = {}
+    handle = model.blocks[layer].attention.W_o.register_forward_pre_hook(
+        lambda module, args: seen.__setitem__("z", args[0].detach().clone()))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        handle.remove()
+    return seen["z"].unflatten(-1, (model.config.n_heads, -1))
+
+
+def _replaced_loss(model: GPT, tokens: torch.Tensor, layer: int, head: int, value: torch.Tensor) -> float:
+    """The in-context loss with head ``head`` of block ``layer`` replaced by ``value`` (``(seq, d_head)`` or
+    ``(d_head,)``) at every position of every sequence."""
+    d_head = model.config.d_model // model.config.n_heads
+
+    def pre(module, args):
+        z = args[0].clone()
+        z[..., head * d_head:(head + 1) * d_head] = value
+        return (z,) + tuple(args[1:])
+
+    handle = model.blocks[layer].attention.W_o.register_forward_pre_hook(pre)
+    try:
         return in_context_loss(model, tokens)
+    finally:
+        handle.remove()
 
 
-def check_zero_ablation(fn: Callable) -> Verdict:
-    """Exercise 14.2: ``fn(model, tokens, layer, head) -> float``: the in-context loss
-    (:func:`groundup.induction.in_context_loss`) on ``tokens`` with head ``head`` of block ``layer`` zero-ablated,
-    by the reader's own code (the package's ``ablate_heads`` is refused), leaving the model as it was: no hook left
-    registered, the weights unchanged. A forward pre-hook on ``W_o`` is the easiest way; any zero ablation that
-    gives the same loss (a forward hook that subtracts the head's part, a zeroed copy of the model) is accepted."""
-    forbid = (interp.ablate_heads.__wrapped__,)  # the generator behind the context manager: every call trips
+def check_mean_ablation(fn: Callable) -> Verdict:
+    """Exercise 14.2: ``fn(model, tokens, reference, layer, head) -> float``: the in-context loss
+    (:func:`groundup.induction.in_context_loss`) on ``tokens`` with head ``head`` of block ``layer``
+    mean-ablated as (14.8) defines it: its output at position ``i`` replaced by its mean output at position ``i``
+    over the ``reference`` batch, by the reader's own hooks (``ablate_heads``, ``mean_head_outputs`` and
+    ``head_outputs`` are refused), leaving the model as it was (no hook left registered). The expected loss comes
+    from the checker's own hooks; the usual slips (zero instead of the mean, one mean over all positions, means of
+    ``tokens`` instead of ``reference``, the wrong head) are named."""
+    forbid = (interp.ablate_heads.__wrapped__, interp.mean_head_outputs, interp.head_outputs)
 
-    def and_hooks_left(model, tokens, layer, head):  # runs in the reader's thread, on the reader's copy
-        return fn(model, tokens, layer, head), _hooks_left(model)
+    def and_hooks_left(model, tokens, reference, layer, head):  # runs in the reader's thread, on copies
+        return fn(model, tokens, reference, layer, head), _hooks_left(model)
 
     def checks():
         g = torch.Generator().manual_seed(_fresh_seed())
         hand, _ = planted_model(16, 16, False, False)
-        models = [("the hand-built model", hand, [(0, 0), (1, 0), (1, 1)], _permutation_repeats(8, 8, 16, g)),
-                  ("a random 4-head model", _random_model(14), [(0, 2), (1, 3)],
-                   _permutation_repeats(8, 8, 16, g))]
-        for label, model, heads, tokens in models:
-            n_heads = model.config.n_heads
+        cases = [("the hand-built model", hand, [(0, 0), (1, 0)]),
+                 ("a random 4-head model", _random_model(14), [(0, 2), (1, 3)])]
+        for label, model, heads in cases:
+            tokens, reference = _permutation_repeats(8, 8, 16, g), _permutation_repeats(12, 8, 16, g)
+            n_heads, d_head = model.config.n_heads, model.config.d_model // model.config.n_heads
             for layer, head in heads:
-                expected = _zero_loss(model, tokens, [(layer, head)])
-                wrong = {in_context_loss(model, tokens): "The loss did not change: does your pre-hook return the "
-                         "modified input (a tuple), is it registered on blocks[layer].attention.W_o, and does it zero "
-                         "the columns of head `head` (h * d_head .. (h + 1) * d_head - 1 for head h)?",
-                         _zero_loss(model, tokens, [(layer, h) for h in range(n_heads)]):
-                         "That is the loss with every head of the layer ablated: zero only the columns "
-                         "head * d_head .. (head + 1) * d_head - 1 of W_o's input."}
-                if head + 1 < n_heads:
-                    wrong.setdefault(_zero_loss(model, tokens, [(layer, head + 1)]),
-                                     "That is the next head's ablation: head h owns W_o's input "
-                                     "columns h * d_head .. (h + 1) * d_head - 1.")
-                call = f"my_zero_ablated_loss(model, tokens, {layer}, {head}) on {label}"
-                got, left = call_reader(and_hooks_left, model, tokens, layer, head, call=call,
-                                        names=("model", "tokens", "layer", "head"), forbid=forbid)
+                z_ref = _head_slices(model, reference, layer)[..., head, :]
+                expected = _replaced_loss(model, tokens, layer, head, z_ref.mean(0))
+                wrong = {
+                    _replaced_loss(model, tokens, layer, head, torch.zeros(d_head)):
+                        "That is zero ablation: replace the head's slice by its mean output over `reference`, "
+                        "not by zeros.",
+                    _replaced_loss(model, tokens, layer, head, z_ref.mean((0, 1))):
+                        "You averaged over the positions too: (14.8) takes the mean separately at each position i "
+                        "(average over the batch dimension only, keeping one mean per position).",
+                    _replaced_loss(model, tokens, layer, head,
+                                   _head_slices(model, tokens, layer)[..., head, :].mean(0)):
+                        "Those are the means of `tokens`, the batch you test on: take them from `reference`.",
+                    in_context_loss(model, tokens):
+                        "The loss did not change: does your pre-hook on blocks[layer].attention.W_o return the "
+                        "modified input as a tuple?"}
+                other = (head + 1) % n_heads
+                z_other = _head_slices(model, reference, layer)[..., other, :]
+                wrong.setdefault(_replaced_loss(model, tokens, layer, other, z_other.mean(0)),
+                                 "That is another head's mean ablation: head h owns W_o's input columns "
+                                 "h * d_head .. (h + 1) * d_head - 1.")
+                call = f"my_mean_ablated_loss(model, tokens, reference, {layer}, {head}) on {label}"
+                got, left = call_reader(and_hooks_left, model, tokens, reference, layer, head, call=call,
+                                        names=("model", "tokens", "reference", "layer", "head"), forbid=forbid)
                 got = expect_number(got, call, "Return the loss as a float (float(loss)).")
                 expect(left == 0, f"{call} left {left} hook(s) registered on the model",
-                       "Remove the hook before returning: keep the handle that register_forward_pre_hook returns "
-                       "and call handle.remove() in a `finally:` block, so the model is as it was.")
+                       "Remove every hook before returning: keep the handles that register_forward_pre_hook "
+                       "returns and call handle.remove() in a `finally:` block, so the model is as it was.")
                 for value, hint in wrong.items():
                     if abs(got - value) < 1e-5 and abs(value - expected) > 1e-4:
-                        raise Mismatch(f"{call} returned {got:.4f}; the loss with that head ablated is "
+                        raise Mismatch(f"{call} returned {got:.4f}; with that head mean-ablated the loss is "
                                        f"{expected:.4f}", hint)
-                expect_close(got, expected, call, "Zero the head's slice of W_o's input in a forward pre-hook, "
-                             "compute in_context_loss(model, tokens), then remove the hook.", rtol=1e-4, atol=1e-5)
+                expect_close(got, expected, call, "Record the head's slice of W_o's input on `reference` with one "
+                             "pre-hook, average it over the batch (one mean per position), put that mean in the "
+                             "slice with a second pre-hook, compute in_context_loss(model, tokens), then remove "
+                             "the hooks.", rtol=1e-4, atol=1e-5)
 
-    return run_checks("Exercise 14.2 (zero ablation with a hook)", checks,
-                      "Your hook removes exactly one head's contribution, on two models.")
+    return run_checks("Exercise 14.2 (mean ablation with your own hooks)", checks,
+                      "Your hooks replace one head by its mean output, position by position, on two models.")
 
 
 # ---- Exercise 14.3: K-composition -------------------------------------------------------------------------------
