@@ -291,11 +291,58 @@ def test_find_rejects_guessing_from_the_size_of_the_weights(name, largest, capsy
         assert not ok and "it is" in out and ("Score every head" in out or "attends from i" in out), out
 
 
+def _diagonal_scores(model, tokens, offset, second_half=False, start=0):
+    """Per layer and head: the mean attention from i to i - offset over i = offset + start .. 2H-1 (i = H .. 2H-1
+    if second_half)."""
+    half = tokens.shape[1] // 2
+    diagonals = [p.diagonal(-offset, -2, -1) for p in interp.attention_patterns(model, tokens)]
+    return torch.stack([d[..., half - offset if second_half else start:] for d in diagonals]).mean((1, 3))
+
+
+def _per_layer(pick):
+    """A finder that applies ``pick(model, tokens, layer) -> head`` in each layer."""
+    return lambda model, tokens: ((0, pick(model, tokens, 0)), (1, pick(model, tokens, 1)))
+
+
+_PREV = 1  # (14.3): i - 1
+
+
+@pytest.mark.parametrize("cheat, wrong_layer", [
+    (_per_layer(lambda m, t, layer: int(_diagonal_scores(m, t, _PREV)[layer].argmax())), "induction"),
+    (_per_layer(lambda m, t, layer: int(_diagonal_scores(m, t, 0)[layer].argmin())), None),
+    (_per_layer(lambda m, t, layer: int(_diagonal_scores(m, t, 0, layer == 1)[layer].argmin())), None),
+    (_per_layer(lambda m, t, layer: int(_diagonal_scores(m, t, _PREV if layer == 0 else t.shape[1] // 2, layer == 1)
+                                        [layer].argmax())), "induction"),
+    (_per_layer(lambda m, t, layer: int(_diagonal_scores(m, t, _PREV)[layer].argmax() if layer == 0 else
+                                        _diagonal_scores(m, t, _PREV)[layer].argmin())), "induction"),
+    (_per_layer(lambda m, t, layer: int(_diagonal_scores(m, t, _PREV)[layer].argmax() if layer == 0 else
+                                        _diagonal_scores(m, t, 0)[layer].argmax())), "induction"),
+    (_per_layer(lambda m, t, layer: int(_diagonal_scores(m, t, 0)[layer].argmin() if layer == 0 else
+                                        _diagonal_scores(m, t, t.shape[1] // 2 - 1, True)[layer].argmax())),
+     "previous-token"),
+    (_per_layer(lambda m, t, layer: int(_diagonal_scores(m, t, 0, start=1)[layer].argmin() if layer == 0
+                                        else _diagonal_scores(m, t, t.shape[1] // 2 - 1, True)[layer].argmax())),
+     "previous-token"),
+], ids=["(a) best previous-token score in both layers", "(b) least attention to itself in both layers",
+        "(b) least attention to itself, second half in layer 1", "induction score off by one (i - H)",
+        "layer 1: the worse previous-token score", "layer 1: the most attention to itself",
+        "layer 0: least attention to itself", "layer 0: least attention to itself after position 0"])
+def test_find_rejects_shortcuts_through_the_attention_patterns(cheat, wrong_layer, capsys):
+    """Shortcuts that never compute (14.4), or (14.3) in layer 0, fail on every draw: the realistic decoys (an
+    i - 2 head; a duplicate-token head that is a previous-token head in the first half) catch them or their
+    opposites, the self-attending decoys catch the opposites."""
+    for _ in range(3):  # the cases are drawn afresh: the rule must fail on every draw, not by luck
+        ok, out = verdict(check_find_induction_circuit, cheat, capsys)
+        assert not ok and f"says the {wrong_layer or ''}" in out and "it is" in out, out
+
+
+@pytest.mark.parametrize("realistic", [False, True], ids=["self-attending decoys", "realistic decoys"])
 @pytest.mark.parametrize("larger", [(True, True), (True, False), (False, True), (False, False)])
-def test_disguised_model_orders_every_size_and_keeps_the_function(larger):
+def test_disguised_model_orders_every_size_and_keeps_the_function(larger, realistic):
     g = torch.Generator().manual_seed(sum(2 ** i * b for i, b in enumerate(larger)))
     for vocab, context in ((16, 16), (24, 20)):
-        model, planted = planted_model(vocab, context, False, False, decoy_larger=larger, generator=g)
+        model, planted = planted_model(vocab, context, False, False, decoy_larger=larger, generator=g,
+                                       realistic_decoys=realistic)
         assert planted == ((0, 0), (1, 0))
         for layer, decoy_larger in enumerate(larger):
             heads = [_raw_head(model, layer, h) for h in range(2)]
@@ -303,6 +350,8 @@ def test_disguised_model_orders_every_size_and_keeps_the_function(larger):
             for name, size in _SIZES.items():  # by every measure, with a margin
                 assert float(size(big)) > 1.5 * float(size(small)), (layer, name)
         reference = hand_built_induction_model(vocab, context, decoy_gain=1.0)  # the decoys scaled, not disguised
+        if realistic:
+            ch14._retarget_decoys(reference)
         for layer, decoy_larger in enumerate(larger):
             ch14._scale_decoy(reference, layer, decoy_larger)
         reference.eval()
@@ -312,20 +361,33 @@ def test_disguised_model_orders_every_size_and_keeps_the_function(larger):
         for got, want in zip(interp.attention_patterns(model, tokens), interp.attention_patterns(reference, tokens)):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
         assert in_context_loss(model, tokens) < 1e-4
-        prev, ind = _scores(model, tokens)  # the decoys still attend to themselves, the planted heads as before
-        assert prev[0].tolist()[0] > 0.99 and prev[0, 1] < 0.01 and ind[1, 0] > 0.99 and ind[1, 1] < 0.01
+        prev, ind = _scores(model, tokens)  # the planted heads as before, the decoys where they were put
+        assert prev[0].tolist()[0] > 0.99 and ind[1, 0] > 0.99 and ind[1, 1] < 0.01
+        assert prev[0, 1] < (1.01 / (context - 1) if realistic else 0.01)  # an i - 2 head: position 1 to 0
+        patterns, half = interp.attention_patterns(model, tokens), context // 2
+        decoy_0, decoy_1 = patterns[0][:, 1], patterns[1][:, 1]
+        if realistic:  # i - 2; the earlier copy of the token (i - H), else i - 1: never the token after it
+            assert decoy_0.diagonal(-2, -2, -1).min() > 0.99 and decoy_1.diagonal(-half, -2, -1).min() > 0.99
+            assert decoy_1.diagonal(-1, -2, -1)[:, :half - 1].min() > 0.99 and prev[1, 1] > 3 * prev[1, 0]
+        else:
+            assert decoy_0.diagonal(0, -2, -1).min() > 0.99 and decoy_1.diagonal(0, -2, -1).min() > 0.99
 
 
 def test_find_draws_both_directions_in_both_layers(capsys, monkeypatch):
     drawn = []
 
     def spy(*args, **kwargs):
-        drawn.append(kwargs["decoy_larger"])
+        drawn.append((kwargs["decoy_larger"], kwargs["realistic_decoys"], args[2:4]))
         return planted_model(*args, **kwargs)
 
     monkeypatch.setattr(ch14, "planted_model", spy)
-    assert verdict(check_find_induction_circuit, find_solution, capsys)[0]
-    assert sorted(drawn) == [(False, False), (False, True), (True, False), (True, True)]
+    for _ in range(3):
+        drawn.clear()
+        assert verdict(check_find_induction_circuit, find_solution, capsys)[0]
+        assert sorted(larger for larger, _, _ in drawn) == [(False, False), (False, True), (True, False), (True, True)]
+        for kind in (False, True):  # each kind of decoy with the planted head at 0 and at 1, in both layers
+            swaps = [swap for _, realistic, swap in drawn if realistic == kind]
+            assert len(swaps) == 2 and swaps[0][0] != swaps[1][0] and swaps[0][1] != swaps[1][1], drawn
     with pytest.raises(ValueError, match="generator"):
         planted_model(16, 16, False, False, decoy_larger=(True, False))
 

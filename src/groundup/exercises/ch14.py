@@ -71,10 +71,15 @@ def permute_heads(model: GPT, layer: int, order: list[int]) -> GPT:
 
 
 def planted_model(vocab_size: int, context_length: int, swap_layer1: bool, swap_layer2: bool, *,
-                  decoy_larger: tuple[bool, bool] | None = None, generator: torch.Generator | None = None):
+                  decoy_larger: tuple[bool, bool] | None = None, generator: torch.Generator | None = None,
+                  realistic_decoys: bool = False):
     """The hand-built induction model (:func:`groundup.induction.hand_built_induction_model`) with the heads of
     layer 1 and / or layer 2 swapped, and where its previous-token and induction heads then are:
     ``(model, ((0, prev_head), (1, induction_head)))``.
+
+    ``realistic_decoys`` makes the decoys attend like heads of trained models instead of to their own positions
+    (:func:`_retarget_decoys`): an ``i - 2`` head in the first layer and a duplicate-token head in the second, which
+    is a previous-token head in the first half of a repeated sequence.
 
     ``decoy_larger`` (one bool per layer; None: the model as built) disguises the weights so that their size says
     nothing about which head is which: in a layer where it is True the decoy's weights are the larger by every
@@ -83,10 +88,11 @@ def planted_model(vocab_size: int, context_length: int, swap_layer1: bool, swap_
     attention patterns). Three changes do it, the last two drawn from ``generator``:
 
     * the decoy's own behaviour is scaled: its gain (what it writes) is 2 (larger) or 0.5 (smaller), and its
-      query is multiplied by 3 or 0.7 (its attention stays on its own position: the score gap is 40 times that);
-    * the head that is to be larger gets a *dead* rank-one part in its ``W_QK`` and its ``W_OV``, 2 to 3 times the
-      nuclear norm of either head's: a key (and a value) that reads a coordinate of the ``OUT`` block, which is
-      empty at the input of both blocks, so the part never changes a score or an output;
+      query is multiplied by 3 or 0.7 (its attention stays where it was: the score gaps are 40 times that);
+    * the head that is to be larger gets a *dead* part in its ``W_QK`` (``DEAD_QK_RANK`` singular values) and its
+      ``W_OV`` (one), each singular value 2 to 3 times the nuclear norm of either head's: keys (and a value) that
+      read coordinates of the ``OUT`` block, which is empty at the input of both blocks, so the part never changes
+      a score or an output;
     * each head's ``W_q`` / ``W_k`` rows and ``W_v`` rows / ``W_o`` columns are refactored from its ``W_QK`` and
       ``W_OV`` (square roots of the singular values on both sides, then a random rotation of the head's ``d_head``
       coordinates, which the products do not see), so the slices are dense and their Frobenius norms are the
@@ -97,12 +103,13 @@ def planted_model(vocab_size: int, context_length: int, swap_layer1: bool, swap_
     times the token embeddings); a checker that draws both directions for each layer defeats every guess of the
     form "the head with the larger (or smaller) weights".
     """
-    if decoy_larger is None:
-        model = hand_built_induction_model(vocab_size, context_length)
-    else:
-        if generator is None:
-            raise ValueError("decoy_larger needs a generator to draw the disguise from")
-        model = hand_built_induction_model(vocab_size, context_length, decoy_gain=1.0)
+    if decoy_larger is not None and generator is None:
+        raise ValueError("decoy_larger needs a generator to draw the disguise from")
+    model = hand_built_induction_model(vocab_size, context_length, **({} if decoy_larger is None else
+                                                                      {"decoy_gain": 1.0}))
+    if realistic_decoys:
+        _retarget_decoys(model)
+    if decoy_larger is not None:
         for layer, larger in enumerate(decoy_larger):
             _scale_decoy(model, layer, larger)
             _disguise(model, layer, larger, generator)
@@ -116,7 +123,37 @@ def planted_model(vocab_size: int, context_length: int, swap_layer1: bool, swap_
 DECOY_GAIN = {True: 2.0, False: 0.5}
 """What the decoy writes, times what the hand-built decoy writes, when it is to be the larger head or not."""
 DECOY_QUERY = {True: 3.0, False: 0.7}
-"""The decoy's query, times the hand-built decoy's: its score gap is 40 times this (it still attends to itself)."""
+"""The decoy's query, times the hand-built decoy's: its score gaps are 40 times this (it still attends where it did)."""
+
+
+def _retarget_decoys(model: GPT) -> None:
+    """Make the decoys (head 1 of each block) of a hand-built model attend like heads found in trained models,
+    so that no shortcut (the head that attends to itself least, the best previous-token score in both layers, an
+    off-by-one induction score) finds the planted heads. Block 0's decoy attends from ``i`` to ``i - 2``
+    (position 1 to 0); block 1's is a duplicate-token head: it attends to the earlier copy of its own token (``i -
+    H`` in the repeated half) and, where there is none, to ``i - 1``. Both keep away from their own position. The
+    scores are in units of the hand-built decoy's score gap (its query scale); what they read and write (their
+    value and output) is unchanged, so the planted heads work as before."""
+    c = model.config
+    v, n, pos = c.vocab_size, c.context_length, c.vocab_size  # the POS block starts at v
+    i = torch.arange(n)
+    for layer, block in enumerate(model.blocks):
+        attention = block.attention
+        d_head = attention.d_head
+        if n + v > d_head:
+            raise ValueError(f"realistic decoys need context_length + vocab_size <= d_head = {d_head}")
+        decoy = slice(d_head, 2 * d_head)
+        with torch.no_grad():
+            w_q, w_k = attention.W_q.weight[decoy], attention.W_k.weight[decoy]  # views
+            unit = float(w_q[0, pos])  # the hand-built decoy's query: query POS_i, key POS_j (w_k's rows :n)
+            scores = torch.zeros(n, n)  # scores[i, j]: query position i, key position j, in units
+            back = 2 if layer == 0 else 1  # attend to i - 2 (block 0) or, without an earlier copy, i - 1 (block 1)
+            scores[i[back:], i[back:] - back] = 1.0
+            scores[i, i] = -2.0 if layer == 0 else -3.0  # the copy of the token itself scores 2 - 3 = -1
+            w_q[:n, pos:pos + n] = unit * scores.T
+            if layer == 1:  # query TOK_i, key TOK_j: 2 units for the same token
+                w_q[n:n + v, :v] = 2 * unit * torch.eye(v)
+                w_k[n:n + v, :v] = torch.eye(v)
 
 
 def _scale_decoy(model: GPT, layer: int, larger: bool) -> None:
@@ -127,6 +164,12 @@ def _scale_decoy(model: GPT, layer: int, larger: bool) -> None:
     with torch.no_grad():
         attention.W_o.weight[:, decoy] *= DECOY_GAIN[larger]
         attention.W_q.weight[decoy] *= DECOY_QUERY[larger]
+
+
+DEAD_QK_RANK = 8
+"""The rank of the dead part of the larger head's ``W_QK``: enough that its ``W_Q`` and ``W_K`` slices (whose
+nuclear norms are sums of square roots of ``W_QK``'s singular values) are the larger in nuclear norm too, even
+against a realistic decoy's ``W_QK`` of rank up to ``context_length + vocab_size`` (:func:`_retarget_decoys`)."""
 
 
 def _unit(d: int, i: int) -> torch.Tensor:
@@ -154,11 +197,12 @@ def _disguise(model: GPT, layer: int, decoy_larger: bool, g: torch.Generator) ->
         return low + (high - low) * float(torch.rand((), generator=g, dtype=torch.float64))
 
     big = 1 if decoy_larger else 0
-    # dead parts: the key (the value) reads OUT_0 (OUT_1), which is 0 at the input of both blocks; the query reads
-    # SCRATCH_0 and the output writes POS_0, directions outside the ones the heads' W_QK and W_OV use (queries
+    # dead parts: the keys (the value) read OUT_k (OUT_1), which are 0 at the input of both blocks; the queries read
+    # SCRATCH_k and the output writes POS_0, directions outside the ones the heads' W_QK and W_OV use (queries
     # read TOK or POS, outputs write PREV, OUT or SCRATCH), so the singular values add up
-    qk[big] = qk[big] + draw(2.0, 3.0) * max(float(nuclear(m, "nuc")) for m in qk) \
-        * torch.outer(_unit(d, scratch), _unit(d, out))
+    dead = torch.zeros(d, d, dtype=torch.float64)
+    dead[range(scratch, scratch + DEAD_QK_RANK), range(out, out + DEAD_QK_RANK)] = 1.0
+    qk[big] = qk[big] + draw(2.0, 3.0) * max(float(nuclear(m, "nuc")) for m in qk) * dead
     ov[big] = ov[big] + draw(2.0, 3.0) * max(float(nuclear(m, "nuc")) for m in ov) \
         * torch.outer(_unit(d, v), _unit(d, out + 1))
     with torch.no_grad():
@@ -209,10 +253,15 @@ def check_find_induction_circuit(fn: Callable) -> Verdict:
     ``copying_ranks``, ``ov_eigenvalue_scores``, ``head_matrices`` and the interventions ``ablate_heads``,
     ``remove_from_inputs``, ``direct_logit_attribution``: the attention patterns are the evidence). The models
     are the hand-built induction model with its heads in four different orders and two sizes, in a shuffled
-    order, on freshly drawn sequences. Their weights are disguised (:func:`planted_model`): in each layer the decoy
-    has the larger weights by every measure in two of the four models and the smaller in the other two, so a
-    guess from the size of the weights (the head with the largest, or the smallest, ``W_O``, ``W_V``, ``W_Q``,
-    ``W_K``, ``W_OV`` or ``W_QK``, in any norm) fails on at least one of them."""
+    order, on freshly drawn sequences. In two of them the decoys attend to their own positions, in the other two
+    like heads of trained models (:func:`_retarget_decoys`: an ``i - 2`` head in layer 0, in layer 1 a
+    duplicate-token head that attends to ``i - 1`` where its token has no earlier copy), each kind once with a
+    layer's planted head at 0 and once at 1; so neither a shortcut (the best previous-token score in both layers,
+    the head that attends to itself least, an induction score off by one) nor its opposite finds both planted heads
+    every time. Their weights are disguised (:func:`planted_model`): in each layer the decoy has the larger weights
+    by every measure in two of the four models and the smaller in the other two, so a guess from the size of the
+    weights (the head with the largest, or the smallest, ``W_O``, ``W_V``, ``W_Q``, ``W_K``, ``W_OV`` or ``W_QK``,
+    in any norm) fails on at least one of them."""
     forbid = (interp.previous_token_scores, interp.induction_scores, interp.composition_scores,
               interp.copying_scores, interp.copying_ranks, interp.ov_eigenvalue_scores, interp.head_matrices,
               interp.direct_logit_attribution, interp.ablate_heads.__wrapped__, interp.remove_from_inputs.__wrapped__)
@@ -223,10 +272,12 @@ def check_find_induction_circuit(fn: Callable) -> Verdict:
         shuffle = random.Random(seed)
         cases = [(16, 16, False, False), (16, 16, True, False), (24, 20, False, True), (24, 20, True, True)]
         sizes = [(True, True), (True, False), (False, True), (False, False)]  # in which layers the decoy is larger
-        shuffle.shuffle(cases)
+        same = shuffle.random() < 0.5  # realistic decoys in the two models whose swaps agree, or in the other two:
+        shuffle.shuffle(cases)  # then each kind of decoy has the planted head at 0 and at 1 in each layer
         shuffle.shuffle(sizes)
         for (vocab, context, swap1, swap2), larger in zip(cases, sizes):
-            model, (prev, induction) = planted_model(vocab, context, swap1, swap2, decoy_larger=larger, generator=g)
+            model, (prev, induction) = planted_model(vocab, context, swap1, swap2, decoy_larger=larger, generator=g,
+                                                     realistic_decoys=(swap1 == swap2) == same)
             tokens = _permutation_repeats(8, context // 2, vocab, g)
             order = "swapped" if swap1 or swap2 else "in order"
             call = f"my_find_induction_circuit(model, tokens) (vocabulary {vocab}, heads {order})"
