@@ -431,27 +431,6 @@ def tiny_gpt():
     return model, tokens, ch14_results.clean_run(model, tokens)
 
 
-def test_run_from_any_stream_entry_is_the_forward_pass(tiny_gpt):
-    model, tokens, run = tiny_gpt
-    stream = run["stream"]
-    for layer in range(len(stream)):
-        assert torch.equal(ch14_results.run_from(model, stream[layer], layer), stream[-1])
-    # the tail of the sequence, the keys and values of the positions before it from a KV cache
-    cache = model.new_cache()
-    with torch.no_grad():
-        model(tokens, cache=cache)
-    for layer, p in ((1, 5), (3, 11)):
-        caches = []
-        for c in cache[layer:]:
-            kv = ch14_results.KVCache()
-            kv.k, kv.v = c.k[..., :p, :], c.v[..., :p, :]
-            caches.append(kv)
-        tail = ch14_results.run_from(model, stream[layer][:, p:], layer, positions=torch.arange(p, 12), caches=caches)
-        torch.testing.assert_close(tail, stream[-1][:, p:], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="positions"):
-        ch14_results.run_from(_tiny_gpt(positional="alibi"), stream[1], 1)
-
-
 def test_sequence_losses_and_scores_average_to_the_packages(tiny_gpt):
     model, tokens, run = tiny_gpt
     losses = ch14_results.sequence_losses(model, run["stream"][-1], tokens)
@@ -477,79 +456,6 @@ def test_head_direct_shares_are_the_package_attribution_on_the_repeat(tiny_gpt):
         one = ch14_results.head_direct_shares(model, run["stream"][-1], tokens, (layer, 5),
                                               run["outputs"][layer][..., 5, :])
         torch.testing.assert_close(one, shares[:, 5])
-
-
-def test_source_contribution_is_what_the_heads_add_to_the_stream(tiny_gpt):
-    model, tokens, run = tiny_gpt
-    # all heads of a block plus the rest (FFN) are the block's whole change to the stream; no biases here
-    heads = ch14_results.source_contribution(model, run["outputs"], [(1, h) for h in range(8)])
-    with torch.no_grad():
-        after_attention = run["stream"][1] + model.blocks[1].attention(
-            model.blocks[1].norm_1(run["stream"][1]), rotary=model.rotary, is_causal=True)
-    torch.testing.assert_close(run["stream"][1] + heads, after_attention, atol=1e-5, rtol=1e-5)
-    assert torch.equal(ch14_results.source_contribution(model, run["outputs"], []), torch.zeros_like(heads))
-
-
-def test_removing_a_source_whose_output_is_zero_changes_nothing(tiny_gpt):
-    model, tokens, _ = tiny_gpt
-    quiet = copy.deepcopy(model)
-    with torch.no_grad():
-        quiet.blocks[0].attention.W_o.weight[:, 3 * 4:4 * 4] = 0.0  # head 0.3 writes nothing
-    run = ch14_results.clean_run(quiet, tokens)
-    removed = ch14_results.source_contribution(quiet, run["outputs"], [(0, 3)])
-    assert torch.equal(removed, torch.zeros_like(removed))
-    for paths in ("q", "k", "v", "qkv"):
-        with ch14_results.remove_from_head(quiet, removed, 2, 6, paths) as seen:
-            final = ch14_results.run_from(quiet, run["stream"][2], 2)
-        torch.testing.assert_close(final, run["stream"][-1], atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(seen["pattern"], run["patterns"][2][:, 6], atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(seen["z"], run["outputs"][2][..., 6, :], atol=1e-6, rtol=1e-6)
-        assert ch14_results.sequence_losses(quiet, final, tokens) == pytest.approx(run["loss"], abs=1e-5)
-
-
-def test_remove_from_head_is_remove_from_inputs_for_its_head_only(tiny_gpt):
-    model, tokens, run = tiny_gpt
-    removed = ch14_results.source_contribution(model, run["outputs"], [(0, 2)])
-    for path in "qkv":
-        with ch14_results.remove_from_head(model, removed, 2, 5, path) as seen:
-            outputs = interp.head_outputs(model, tokens)
-        # the package's version changes the whole block's inputs; head 2.5's pattern and output are the same
-        with interp.remove_from_inputs(model, (0, 2), 2, (path,)), interp.recording_attention(model, [2]) as rec:
-            whole = interp.head_outputs(model, tokens)
-        torch.testing.assert_close(seen["pattern"], rec[2][:, 5], atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(seen["z"], whole[2][..., 5, :], atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(outputs[2][..., 5, :], seen["z"])
-        # every other head of the block, its key/value neighbours 2.4, 2.6, 2.7 included, computes as before
-        others = [h for h in range(8) if h != 5]
-        torch.testing.assert_close(outputs[2][..., others, :], run["outputs"][2][..., others, :], atol=1e-6,
-                                   rtol=1e-6)
-        assert (seen["z"] - run["outputs"][2][..., 5, :]).abs().max() > 1e-6  # head 2.5 did change (rounding: 1e-8)
-        if path == "v":  # the values do not move the attention
-            torch.testing.assert_close(seen["pattern"], run["patterns"][2][:, 5], atol=1e-6, rtol=1e-6)
-        # the blocks before the head are untouched: the layers above see the new output only from block 2 on
-        for earlier in (0, 1):
-            assert torch.equal(outputs[earlier], run["outputs"][earlier])
-
-
-def test_removing_all_sources_of_the_queries_keys_and_values_equals_zeroing_them():
-    from groundup.induction import AttentionOnlyConfig
-
-    torch.manual_seed(3)
-    model = GPT(AttentionOnlyConfig(vocab_size=30, context_length=12, d_model=32, n_heads=4,
-                                    positional="rope")).eval()
-    tokens = repeated_random_tokens(5, 6, 30, torch.Generator().manual_seed(4))
-    run = ch14_results.clean_run(model, tokens)
-    removed = ch14_results.source_contribution(model, run["outputs"], [(0, h) for h in range(4)])
-    with interp.ablate_heads(model, [(0, h) for h in range(4)]):
-        patterns, outputs = interp.attention_patterns(model, tokens), interp.head_outputs(model, tokens)
-    for head in range(4):
-        with ch14_results.remove_from_head(model, removed, 1, head, "qkv") as seen:
-            model(tokens)
-        torch.testing.assert_close(seen["pattern"], patterns[1][:, head], atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(seen["z"], outputs[1][..., head, :], atol=1e-6, rtol=1e-6)
-    with pytest.raises(ValueError, match="paths"):
-        with ch14_results.remove_from_head(model, removed, 1, 0, "x"):
-            pass
 
 
 def test_attention_profile_reads_the_four_places():
@@ -666,8 +572,7 @@ def test_two_tier_entry_on_a_tiny_model_stores_what_the_removal_computes():
                              [tuple(map(int, h.split("."))) for h in entry["control_sets"][set_name]])
             if set_name.startswith("control"):
                 assert not set(heads) & set(sources) and sorted(h[0] for h in heads) == sorted(h[0] for h in sources)
-            removed = ch14_results.source_contribution(model, run["outputs"], heads)
-            with ch14_results.remove_from_head(model, removed, layer, head, path) as seen:  # a whole forward pass
+            with interp.remove_from_inputs(model, heads, layer, path, head=head) as seen:  # a whole forward pass
                 loss = in_context_loss(model, tokens)
             assert removal["loss"]["mean"] == pytest.approx(loss, abs=1e-4)
             assert removal["induction_per_seq"] == pytest.approx(
@@ -699,41 +604,6 @@ class _WordTokenizer:
 
     def decode(self, ids):
         return "".join(self.words[i] for i in ids)
-
-
-def test_patch_per_example_is_residual_patching_example_by_example(tiny_gpt):
-    model = tiny_gpt[0]
-    g = torch.Generator().manual_seed(9)
-    clean = torch.randint(0, 40, (5, 9), generator=g)
-    corrupted = clean.clone()
-    corrupted[:, 4] = (corrupted[:, 4] + 7) % 40
-    answer, wrong = torch.randint(0, 40, (5,), generator=g), torch.randint(0, 40, (5,), generator=g)
-    res = ch14_results.patch_per_example(model, clean, corrupted, answer, wrong)
-    assert res["positions"] == [4, 5, 6, 7, 8] and res["ld"].shape == (5, 5, 5)
-    assert res["patched"][0].tolist() == [True, False, False, False, False]  # the embeddings differ at 4 only
-    assert res["patched"][1:].all()
-    frac = ch14_results.fraction_restored(res["ld"], res["ld_source"], res["ld_target"])
-    torch.testing.assert_close(frac, interp.residual_patching(model, clean, corrupted, answer, wrong)[:, 4:],
-                               atol=1e-4, rtol=1e-4)
-    with torch.no_grad():
-        ld_clean = interp.logit_difference(model(clean)[0], answer, wrong)
-        ld_corrupted = interp.logit_difference(model(corrupted)[0], answer, wrong)
-    torch.testing.assert_close(res["ld_source"], ld_clean, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(res["ld_target"], ld_corrupted, atol=1e-5, rtol=1e-5)
-    # the last entry at the last position is the logit itself: patched, it is the clean run's, exactly
-    assert torch.equal(res["ld"][-1, -1], res["ld_source"])
-    assert torch.equal(res["ld"][-1, :-1], res["ld_target"].expand(4, 5))  # earlier positions: read by nothing
-    assert torch.equal(res["ld"][0, 1:], res["ld_target"].expand(4, 5))  # equal embeddings: not run
-    # the embedding at the changed token turns the corrupted prompt into the clean one
-    torch.testing.assert_close(res["ld"][0, 0], res["ld_source"], atol=1e-5, rtol=1e-5)
-    # one example patched alone gives the same as in the batch
-    one = ch14_results.patch_per_example(model, clean[2:3], corrupted[2:3], answer[2:3], wrong[2:3])
-    torch.testing.assert_close(one["ld"][..., 0], res["ld"][..., 2], atol=1e-5, rtol=1e-5)
-    # and patching the clean stream at every position of any entry gives the clean logits exactly
-    stream = interp.residual_stream(model, clean)
-    for layer in range(5):
-        with interp.patch_residual(model, layer, stream[layer]), torch.no_grad():
-            assert torch.equal(interp.logit_difference(model(corrupted)[0], answer, wrong), ld_clean)
 
 
 def test_bootstrap_interval_of_the_fraction_restored():

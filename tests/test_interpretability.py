@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from groundup.induction import AttentionOnlyConfig, hand_built_induction_model, in_context_loss, repeated_random_tokens
 from groundup.interpretability import (
+    _run_from,  # the blocks from one stream entry on (the chapter 14 tool's)
     ablate_heads,
     attention_patterns,
     composition_scores,
@@ -351,6 +352,72 @@ def test_residual_patching_agrees_with_patch_residual_one_position_at_a_time():
             residual_patching(model, clean, corrupted, answer, wrong, layers=bad)
 
 
+def _smol_like(seed=0, **overrides):
+    """A small random model shaped like SmolLM2: RoPE, RMSNorm, SwiGLU, grouped-query attention, tied, no biases."""
+    config = dict(vocab_size=40, context_length=16, d_model=32, n_layers=4, n_heads=8, n_kv_heads=2, positional="rope",
+                  norm="rmsnorm", activation="swiglu", bias=False, tie_weights=True)
+    return _gpt(seed, **{**config, **overrides})
+
+
+def test_run_from_any_stream_entry_is_the_forward_pass():
+    model, ids = _smol_like(), _ids(batch=4, seq=12, vocab=40)
+    stream = residual_stream(model, ids)
+    for layer in range(len(stream)):
+        assert torch.equal(_run_from(model, stream[layer], layer), stream[-1])
+    # the tail of the sequences, the keys and values of the positions before it from a KV cache of the whole
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(ids, cache=cache)
+    for layer, p in ((1, 5), (3, 11), (2, 0)):
+        tail = _run_from(model, stream[layer][:, p:], layer, start=p, cache=cache)
+        torch.testing.assert_close(tail, stream[-1][:, p:], atol=1e-5, rtol=1e-5)
+    assert [len(kv) for kv in cache] == [12] * 4  # the run's cache is read, not extended
+    with pytest.raises(ValueError, match="positions"):
+        _run_from(_gpt(positional="alibi"), stream[1][..., :16], 1)
+
+
+def test_residual_patching_per_example_averages_to_the_batch_result():
+    model = _smol_like()
+    g = torch.Generator().manual_seed(9)
+    clean = torch.randint(0, 40, (5, 9), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 4] = (corrupted[:, 4] + 7) % 40
+    answer, wrong = torch.randint(0, 40, (5,), generator=g), torch.randint(0, 40, (5,), generator=g)
+    res = residual_patching(model, clean, corrupted, answer, wrong, per_example=True)
+    assert res["ld"].shape == res["restored"].shape == (5, 9, 5) and res["patched"].shape == (5, 9)
+    assert res["patched"][0].tolist() == [False] * 4 + [True] + [False] * 4  # the embeddings differ at 4 only
+    assert not res["patched"][:, :4].any() and res["patched"][1:, 4:].all()
+    # the batch result is the normalised mean over the examples
+    batch = residual_patching(model, clean, corrupted, answer, wrong)
+    mean = (res["ld"].mean(-1) - res["ld_corrupted"].mean()) / (res["ld_clean"].mean() - res["ld_corrupted"].mean())
+    torch.testing.assert_close(mean, batch, atol=1e-5, rtol=1e-5)
+    assert (batch[:, 4:].abs() > 1e-2).any()  # something is restored, so the check could fail
+    with torch.no_grad():
+        ld_clean = logit_difference(model(clean)[0], answer, wrong)
+        ld_corrupted = logit_difference(model(corrupted)[0], answer, wrong)
+    torch.testing.assert_close(res["ld_clean"], ld_clean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res["ld_corrupted"], ld_corrupted, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res["restored"], (res["ld"] - ld_corrupted) / (ld_clean - ld_corrupted), atol=1e-4,
+                               rtol=1e-4)
+    # every patch, example by example, is patch_residual's run of the corrupted prompt
+    stream = residual_stream(model, clean)
+    for layer, p in ((0, 4), (2, 6), (3, 8)):
+        with patch_residual(model, layer, stream[layer], positions=[p]), torch.no_grad():
+            torch.testing.assert_close(res["ld"][layer, p], logit_difference(model(corrupted)[0], answer, wrong),
+                                       atol=1e-4, rtol=1e-4)
+    # the last entry at the last position is the logit itself: patched, it is the clean run's, exactly
+    assert torch.equal(res["ld"][-1, -1], res["ld_clean"]) and torch.equal(res["restored"][-1, -1], torch.ones(5))
+    assert torch.equal(res["ld"][-1, :-1], res["ld_corrupted"].expand(8, 5))  # earlier positions: read by nothing
+    assert torch.equal(res["ld"][:, :4], res["ld_corrupted"].expand(5, 4, 5))  # equal streams: not run
+    # one example patched alone gives the same as in the batch; layers= picks rows
+    one = residual_patching(model, clean[2:3], corrupted[2:3], answer[2:3], wrong[2:3], per_example=True)
+    torch.testing.assert_close(one["ld"][..., 0], res["ld"][..., 2], atol=1e-5, rtol=1e-5)
+    some = residual_patching(model, clean, corrupted, answer, wrong, layers=[3, 1], per_example=True)
+    assert torch.equal(some["ld"], res["ld"][[3, 1]]) and torch.equal(some["patched"], res["patched"][[3, 1]])
+    with pytest.raises(TypeError, match="per_example"):
+        residual_patching(model, clean, corrupted, answer, wrong, per_example=1)
+
+
 def test_scores_on_a_random_model_sit_near_their_baselines():
     model = _gpt()
     tokens = repeated_random_tokens(8, 5, 11, torch.Generator().manual_seed(0))
@@ -396,6 +463,7 @@ def test_remove_from_inputs_on_all_paths_is_the_ablation_seen_by_the_next_block(
     assert torch.equal(_attention_output(model, 1, ids)[0], plain)
     assert [type(m) for m in model.modules()] == kinds and type(model.blocks[1].attention.W_k) is Linear
     assert all(not m._forward_pre_hooks for m in model.modules())
+    assert "_project" not in model.blocks[1].attention.__dict__
 
 
 def test_remove_from_inputs_changes_only_the_chosen_paths():
@@ -435,6 +503,110 @@ def test_remove_from_inputs_changes_only_the_chosen_paths():
     with pytest.raises(ValueError, match="paths"):
         with remove_from_inputs(model, (0, 0), 1, "x"):
             pass
+
+
+def test_remove_from_inputs_takes_several_sources_out_as_their_sum():
+    """All heads of block 0 taken out of block 1's queries, keys and values: block 1's attention computes what it
+    computes with them zero-ablated, and ``written`` is what they add to the stream (the attention's output less
+    ``W_o``'s bias)."""
+    model, ids = _attention_only(5), _ids()
+    everything = [(0, h) for h in range(4)]
+    plain, _ = _attention_output(model, 1, ids)
+    with ablate_heads(model, everything):
+        ablated, _ = _attention_output(model, 1, ids)
+    with remove_from_inputs(model, everything, 1, "qkv") as seen:
+        removed, _ = _attention_output(model, 1, ids)
+    torch.testing.assert_close(removed, ablated, atol=1e-5, rtol=0)
+    assert (removed - plain).abs().max() > 1e-2
+    first, _ = _attention_output(model, 0, ids)
+    torch.testing.assert_close(seen["written"], first - model.blocks[0].attention.W_o.bias.detach(), atol=1e-5,
+                               rtol=0)
+    # one pair is a list of one pair; the order of the sources does not matter beyond rounding
+    with remove_from_inputs(model, (0, 2), 1, "k") as one, remove_from_inputs(model, [(0, 2)], 1, "v") as listed:
+        _attention_output(model, 1, ids)
+    assert torch.equal(one["written"], listed["written"])
+    with remove_from_inputs(model, everything[::-1], 1, "qkv"):
+        torch.testing.assert_close(_attention_output(model, 1, ids)[0], removed, atol=1e-5, rtol=0)
+    assert _no_hooks(model) and "_project" not in model.blocks[1].attention.__dict__
+    for bad, match in (([], "at least one"), ([(0, 1), (0, 1)], "each once"), ([(1, 0)], "after the source"),
+                       ([(0, 4)], "head"), ([(0, 1, 2)], "pairs")):
+        with pytest.raises(ValueError, match=match), remove_from_inputs(model, bad, 1):
+            pass
+
+
+def test_remove_from_inputs_for_one_head_is_the_block_wide_removal_for_that_head():
+    """``head=h`` gives head h the pattern and output it has when the whole block reads the reduced stream, and
+    leaves every other head of the block (its key/value neighbours included) as it was."""
+    model, ids = _smol_like(), _ids(batch=4, seq=12, vocab=40)
+    sources = [(1, 3), (0, 2), (1, 6)]
+    plain_outputs, plain_patterns = head_outputs(model, ids), attention_patterns(model, ids)
+    for path in ("q", "k", "v", "qkv"):
+        with remove_from_inputs(model, sources, 2, path), recording_attention(model, [2]) as patterns:
+            whole = head_outputs(model, ids)
+        for head in (5, 0):
+            with remove_from_inputs(model, sources, 2, path, head=head) as seen:
+                outputs = head_outputs(model, ids)
+            torch.testing.assert_close(seen["pattern"], patterns[2][:, head], atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(seen["z"], whole[2][..., head, :], atol=1e-6, rtol=1e-6)
+            assert torch.equal(outputs[2][..., head, :], seen["z"])  # the real call carries the head's new output
+            assert (seen["z"] - plain_outputs[2][..., head, :]).abs().max() > 1e-3  # it did change
+            others = [h for h in range(8) if h != head]
+            torch.testing.assert_close(outputs[2][..., others, :], plain_outputs[2][..., others, :], atol=1e-6,
+                                       rtol=1e-6)
+            assert all(torch.equal(outputs[e], plain_outputs[e]) for e in (0, 1))  # the blocks before: untouched
+            if path == "v":  # the values move no attention (the written-out softmax for the fused one: rounding)
+                torch.testing.assert_close(seen["pattern"], plain_patterns[2][:, head], atol=1e-5, rtol=1e-5)
+    assert _no_hooks(model) and "_project" not in model.blocks[2].attention.__dict__
+
+
+def test_remove_from_inputs_for_each_head_equals_zeroing_the_sources_in_an_attention_only_model():
+    model, ids = _attention_only(6), _ids()
+    sources = [(0, h) for h in range(4)]
+    with ablate_heads(model, sources):
+        patterns, outputs = attention_patterns(model, ids), head_outputs(model, ids)
+    for head in range(4):
+        with remove_from_inputs(model, sources, 1, "qkv", head=head) as seen, torch.no_grad():
+            model(ids)
+        torch.testing.assert_close(seen["pattern"], patterns[1][:, head], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(seen["z"], outputs[1][..., head, :], atol=1e-5, rtol=1e-5)
+
+
+def test_remove_from_inputs_from_the_runs_outputs_lets_a_pass_start_at_the_target_block():
+    model, ids = _smol_like(seed=1), _ids(batch=4, seq=12, vocab=40)
+    stream, outputs = residual_stream(model, ids), head_outputs(model, ids)
+    sources = [(0, 3), (1, 1)]
+    for head in (None, 4):
+        with remove_from_inputs(model, sources, 3, "qk", head=head) as whole:
+            final = residual_stream(model, ids)[-1]
+        with remove_from_inputs(model, sources, 3, "qk", head=head, outputs=outputs) as given:
+            assert torch.equal(_run_from(model, stream[3], 3), final)
+        assert torch.equal(given["written"], whole["written"]) and not torch.equal(final, stream[-1])
+        if head is not None:
+            assert torch.equal(given["z"], whole["z"]) and torch.equal(given["pattern"], whole["pattern"])
+        # recorded in the pass, the sources must run in it
+        with pytest.raises(ValueError, match="outputs="), remove_from_inputs(model, sources, 3, head=head):
+            _run_from(model, stream[3], 3)
+        with pytest.raises(ValueError, match="same token ids"), \
+                remove_from_inputs(model, sources, 3, head=head, outputs=outputs):
+            _run_from(model, stream[3][:2], 3)
+
+
+def test_remove_from_inputs_of_a_silent_source_changes_nothing():
+    model, ids = _smol_like(seed=2), _ids(batch=4, seq=12, vocab=40)
+    with torch.no_grad():
+        model.blocks[0].attention.W_o.weight[:, 3 * 4:4 * 4] = 0.0  # head 0.3 writes nothing
+    stream, patterns, outputs = residual_stream(model, ids), attention_patterns(model, ids), head_outputs(model, ids)
+    for paths in ("q", "k", "v", "qkv"):
+        with remove_from_inputs(model, (0, 3), 2, paths, head=6) as seen:
+            final = residual_stream(model, ids)[-1]
+        assert torch.equal(seen["written"], torch.zeros_like(stream[0]))
+        torch.testing.assert_close(final, stream[-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(seen["pattern"], patterns[2][:, 6], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(seen["z"], outputs[2][..., 6, :], atol=1e-6, rtol=1e-6)
+    cache = model.new_cache()
+    with pytest.raises(ValueError, match="KV cache"), remove_from_inputs(model, (0, 3), 2, head=6), torch.no_grad():
+        model(ids, cache=cache)
+    assert _no_hooks(model) and "_project" not in model.blocks[2].attention.__dict__
 
 
 # ---- direct logit attribution --------------------------------------------------------------------------

@@ -116,8 +116,9 @@ head less than ``CONTROL_MAX`` = 0.1.
 * ``smollm2-two-tier``: the two-tier hypothesis, layers 17-18's induction heads (``sources``: those of
   ``SOURCE_LAYERS`` scoring at least 0.4 on these sequences) feed the induction-like heads 23.2, 23.7 and the
   copier 29.1 (``TWO_TIER_TARGETS``). For each target and each of ``PATHS`` (``q``, ``k``, ``v`` and all three):
-  the sources' summed direct output (:func:`source_contribution`) removed from what that one head reads through
-  that path (:func:`remove_from_head`; every other head, the FFNs and the residual stream keep it), and the loss,
+  the sources' summed direct output removed from what that one head reads through that path
+  (:func:`~groundup.interpretability.remove_from_inputs` with ``head``, the blocks from the target's on run again
+  on the clean run's stream; every other head, the FFNs and the residual stream keep it), and the loss,
   the target's induction score and its direct share per sequence (``removals["induction/q"]`` ...), beside its
   ``baseline`` and ``N_SOURCE_CONTROLS`` = 5 removals of control heads of the same layers, as many from each
   (``control0/q`` ..., seed ``CONTROL_SEED + 2``). For 29.1 also the second tier: 23.2 and 23.7 removed
@@ -128,8 +129,9 @@ head less than ``CONTROL_MAX`` = 0.1.
   ``NAMES`` (:func:`name_pairs`: the chapter's Mary / John, then pairs drawn with seed ``IOI_SEED``; every name is
   checked to be one token with its leading space) in the two ``TEMPLATES``, ABBA ("When {io} and {s} went to the
   store, {s} gave a drink to") and BABA ("When {s} and {io} ..."); the clean prompt's answer is `` io``, the
-  corrupted prompt names ``io`` twice (its answer `` s``). Per template and direction, :func:`patch_per_example`
-  on every stream entry 0 .. 30 and every position from the changed name on (9 .. 13): ``denoising`` patches the
+  corrupted prompt names ``io`` twice (its answer `` s``). Per template and direction,
+  :func:`~groundup.interpretability.residual_patching` with ``per_example=True`` on every stream entry 0 .. 30 and
+  every position from the changed name on (9 .. 13): ``denoising`` patches the
   clean run's vector into the corrupted run (fraction = (LD - LD_corrupted) / (LD_clean - LD_corrupted), 1: the
   clean answer restored), ``noising`` the corrupted run's into the clean run (fraction = (LD - LD_clean) /
   (LD_corrupted - LD_clean), 1: the clean answer destroyed). Stored: ``fraction`` [entry][position] with the means
@@ -143,7 +145,6 @@ head less than ``CONTROL_MAX`` = 0.1.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -157,7 +158,6 @@ import torch
 from results_file import add_entry, machine, on_notebook_arithmetic
 
 from groundup import interpretability as interp
-from groundup.attention import KVCache
 from groundup.data import load_corpus, train_val_split
 from groundup.induction import AttentionOnlyConfig, in_context_loss, induction_batches, repeated_random_tokens
 from groundup.interpretability import (
@@ -490,34 +490,6 @@ def _r(t, digits: int = 4):
     return round(float(t), digits) if t.dim() == 0 else [_r(x, digits) for x in t]
 
 
-def run_from(model: GPT, x: torch.Tensor, layer: int, *, positions: torch.Tensor | None = None,
-             caches=None) -> torch.Tensor:
-    """Blocks ``layer .. n_layers - 1`` of ``model`` on the stream entry ``x`` ``(batch, n, d_model)`` (entry
-    ``layer`` of :func:`~groundup.interpretability.residual_stream`): returns the last entry, before the final
-    norm. What ``GPT.forward`` computes after block ``layer - 1`` (RoPE, learned or sinusoidal positions; not a
-    relative or ALiBi bias), with the blocks' hooks, so that an intervention downstream of ``layer`` need not run
-    the blocks before it again. ``positions`` (default ``0 .. n - 1``) are the positions of ``x``'s rows; ``caches``
-    (one :class:`~groundup.attention.KVCache` per block from ``layer`` on, holding the keys and values of the
-    positions before them) lets ``x`` be the tail of a sequence. Eval mode, no gradients."""
-    c = model.config
-    if c.positional in ("relative", "alibi"):
-        raise ValueError(f"run_from needs positions that the stream or RoPE carries, not {c.positional!r}")
-    if positions is None:
-        positions = torch.arange(x.shape[1])
-    rotary = model.rotary if c.positional == "rope" else None
-    blocks = list(model.blocks)[layer:]
-    caches = [None] * len(blocks) if caches is None else caches
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for block, cache in zip(blocks, caches, strict=True):
-                x = block(x, rotary=rotary, positions=positions, is_causal=model.causal, cache=cache)
-    finally:
-        model.train(was_training)
-    return x
-
-
 def repeat_slice(tokens: torch.Tensor) -> slice:
     """The positions whose next token repeats the first half (as :func:`~groundup.induction.induction_targets`):
     ``H .. 2H - 2`` of sequences of ``2H`` tokens."""
@@ -587,90 +559,6 @@ def head_direct_shares(model: GPT, final: torch.Tensor, tokens: torch.Tensor, la
     return per.sum(-1).mean(dim=1)
 
 
-def source_contribution(model: GPT, outputs: list[torch.Tensor], sources) -> torch.Tensor:
-    """What the heads ``sources`` (``(layer, head)`` pairs) write into the stream, summed: ``Σ W_O^h z^h``
-    ``(batch, seq, d_model)``, from :func:`~groundup.interpretability.head_outputs` ``outputs`` of the run."""
-    total = torch.zeros(*outputs[0].shape[:2], model.config.d_model)
-    for layer, head in sources:
-        z = outputs[layer][..., head, :].float()
-        d_head = z.shape[-1]
-        w_o = interp._weight(model.blocks[layer].attention.W_o).float()[:, head * d_head:(head + 1) * d_head]
-        total = total + z @ w_o.T
-    return total
-
-
-@contextlib.contextmanager
-def remove_from_head(model: GPT, removed: torch.Tensor, layer: int, head: int, paths="qkv"):
-    """A context manager in which head ``head`` of block ``layer`` reads its queries, keys and / or values
-    (``paths``: any of ``"q"``, ``"k"``, ``"v"``) from the stream minus ``removed`` ``(batch, seq, d_model)`` (what
-    earlier heads wrote, :func:`source_contribution`): it attends and writes as if those heads' direct outputs
-    were not in the stream it reads through those paths. Every other head of the block (its key/value group
-    neighbours included: with grouped-query attention the head gets keys and values of its own), the residual
-    connection, the FFN and the later blocks see the stream as it is; they see the head's new output.
-
-    :func:`~groundup.interpretability.remove_from_inputs` for several source heads at once and one target head
-    instead of the whole block. How: a forward pre-hook on the block records its input ``x``; one on its
-    attention runs the attention a second time with ``need_weights=True``, its projections reading
-    ``norm_1(x - removed)`` for the chosen paths and ``norm_1(x)`` for the others (the module's own projections,
-    RoPE, grouped-query attention and softmax), and keeps the head's pattern and output ``z``; a pre-hook on
-    ``W_o`` puts that ``z`` in the head's slice of the real call. Yields a dict whose ``"pattern"`` ``(batch, seq,
-    seq)`` and ``"z"`` ``(batch, seq, d_head)`` each forward pass fills. With ``removed`` zero the model computes
-    what it computes without the hooks, up to float rounding (the written-out softmax for the fused kernel).
-    Pre-LN blocks, no KV cache."""
-    interp._check_model(model)
-    layer, head = interp._check_layer(model, layer), interp._check_head(model, head)
-    chosen = set(paths)
-    if not chosen or not chosen <= set(interp.COMPOSITIONS):
-        raise ValueError(f"paths must be a non-empty selection of {interp.COMPOSITIONS}, got {paths!r}")
-    block = model.blocks[layer]
-    if getattr(block, "norm_position", "pre") != "pre":
-        raise ValueError("remove_from_head needs Pre-LN blocks (x + attention(norm_1(x)))")
-    attention = block.attention
-    cut = slice(head * attention.d_head, (head + 1) * attention.d_head)
-    state = {"inner": False}
-    seen: dict[str, torch.Tensor] = {}
-
-    def record_x(module, args):
-        seen["x"] = args[0]
-
-    def project(x, context, need_kv=True):  # the second call's projections
-        reads = {p: seen["minus"] if p in chosen else x for p in "qkv"}
-        return attention.W_q(reads["q"]), attention.W_k(reads["k"]), attention.W_v(reads["v"])
-
-    def before_attention(module, args, kwargs):
-        if state["inner"]:
-            return None
-        if kwargs.get("cache") is not None:
-            raise ValueError("remove_from_head does not work with a KV cache")
-        x = seen["x"]
-        if removed.shape != x.shape:
-            raise ValueError(f"removed has shape {tuple(removed.shape)}, the block's input {tuple(x.shape)}")
-        seen["minus"] = block.norm_1(x - removed.to(x.dtype))
-        state["inner"] = True
-        attention._project = project  # an instance attribute: shadows the method for this call only
-        try:
-            _, weights = module(args[0], **{**kwargs, "need_weights": True})
-        finally:
-            del attention._project
-            state["inner"] = False
-        seen["pattern"] = weights[:, head].detach()
-        return None
-
-    def before_w_o(module, args):
-        if state["inner"]:
-            seen["z"] = args[0][..., cut].detach().clone()
-            return None
-        x = args[0].clone()
-        x[..., cut] = seen["z"].to(x.dtype)
-        return (x,) + tuple(args[1:])
-
-    with interp._hooks() as handles:
-        handles.append(block.register_forward_pre_hook(record_x))
-        handles.append(attention.register_forward_pre_hook(before_attention, with_kwargs=True))
-        handles.append(attention.W_o.register_forward_pre_hook(before_w_o))
-        yield seen
-
-
 def clean_run(model: GPT, tokens: torch.Tensor) -> dict:
     """One run's residual stream, heads' outputs, attention patterns and per-sequence loss (repeat positions)."""
     stream, outputs = interp.residual_stream(model, tokens), interp.head_outputs(model, tokens)
@@ -685,7 +573,7 @@ def ablated_losses(model: GPT, run: dict, tokens: torch.Tensor, heads, *, mode: 
     run from the first ablated layer on the clean ``run``'s stream (the blocks before it compute as in the run)."""
     first = min(layer for layer, _ in heads)
     with interp.ablate_heads(model, heads, mode=mode, means=means):
-        final = run_from(model, run["stream"][first], first)
+        final = interp._run_from(model, run["stream"][first], first)
     return sequence_losses(model, final, tokens)
 
 
@@ -823,7 +711,7 @@ def two_tier_entry(model: GPT, *, n_seq: int = SMOL_SEQ, half_len: int = SMOL_HA
                    control_max: float = CONTROL_MAX, log=print) -> dict:
     """Item 4, ``smollm2-two-tier`` (module docstring): each target head's loss, induction score and direct share
     per sequence with the source heads' outputs removed from its query, key or value input
-    (:func:`remove_from_head`), beside random same-layer controls."""
+    (:func:`~groundup.interpretability.remove_from_inputs` with ``head``), beside random same-layer controls."""
     v, n_heads = model.config.vocab_size, model.config.n_heads
     tokens = repeated_random_tokens(n_seq, half_len, v, torch.Generator().manual_seed(seed))
     run = clean_run(model, tokens)
@@ -870,10 +758,9 @@ def two_tier_entry(model: GPT, *, n_seq: int = SMOL_SEQ, half_len: int = SMOL_HA
         for set_name, heads in sets.items():
             if any(h[0] >= layer for h in heads):
                 continue
-            removed = source_contribution(model, run["outputs"], heads)
             for path in paths:
-                with remove_from_head(model, removed, layer, head, path) as seen:
-                    final = run_from(model, run["stream"][layer], layer)
+                with interp.remove_from_inputs(model, heads, layer, path, head=head, outputs=run["outputs"]) as seen:
+                    final = interp._run_from(model, run["stream"][layer], layer)
                 loss = sequence_losses(model, final, tokens)
                 score = sequence_induction_scores(seen["pattern"])
                 share = head_direct_shares(model, final, tokens, (layer, head), seen["z"])
@@ -927,52 +814,6 @@ def name_swap_prompts(tokenizer, pairs, template: str):
     return torch.tensor(clean), torch.tensor(corrupted), torch.tensor(answer), torch.tensor(wrong)
 
 
-def _last_ld(model: GPT, last: torch.Tensor, answer, wrong) -> torch.Tensor:
-    with torch.no_grad():
-        return interp.logit_difference(model.unembedding(model.final_norm(last)).float(), answer, wrong)
-
-
-def patch_per_example(model: GPT, source: torch.Tensor, target: torch.Tensor, answer, wrong) -> dict:
-    """Residual-stream patching per example (what :func:`~groundup.interpretability.residual_patching` averages):
-    for every stream entry ``l`` and every position ``p`` where the ``source`` and ``target`` runs' streams
-    differ in some example, the ``target`` run with its vector ``x^(l)[p]`` replaced by the ``source`` run's,
-    and the logit difference ``answer - wrong`` at its last position, per example.
-
-    Returns ``ld_source``, ``ld_target`` ``(batch,)``, ``positions`` (those that differ at some entry: a position
-    before the first differing token is patched with itself) and ``ld`` ``(n_layers + 1, len(positions), batch)``
-    with ``patched`` ``(n_layers + 1, len(positions))``: False where the two streams are equal at that entry and
-    position in every example, whose ``ld`` is then ``ld_target`` by definition, not run. Each patch runs only
-    what it can change: blocks ``l ..`` (:func:`run_from`) on positions ``p ..``, the earlier positions' keys and
-    values taken from the target run's KV cache. Denoising: ``source`` the clean run, ``target`` the corrupted;
-    noising: the other way round."""
-    src_stream, tgt_stream = interp.residual_stream(model, source), interp.residual_stream(model, target)
-    n = source.shape[1]
-    ld_source = _last_ld(model, src_stream[-1][:, -1:], answer, wrong)
-    ld_target = _last_ld(model, tgt_stream[-1][:, -1:], answer, wrong)
-    differ = torch.stack([(a != b).any(dim=-1).any(dim=0) for a, b in zip(src_stream, tgt_stream)])  # (L+1, n)
-    positions = [int(p) for p in differ.any(dim=0).nonzero().flatten()]
-    cache = model.new_cache()
-    with interp._inspecting(model):
-        model(target, cache=cache)
-    ld = ld_target.expand(len(src_stream), len(positions), -1).clone()
-    for layer in range(len(src_stream)):
-        for k, p in enumerate(positions):
-            if not differ[layer, p]:
-                continue
-            x = tgt_stream[layer][:, p:].clone()
-            x[:, 0] = src_stream[layer][:, p]
-            caches = []
-            for c in cache[layer:]:
-                kv = KVCache()
-                if p > 0:
-                    kv.k, kv.v = c.k[..., :p, :], c.v[..., :p, :]
-                caches.append(kv)
-            out = run_from(model, x, layer, positions=torch.arange(p, n), caches=caches)
-            ld[layer, k] = _last_ld(model, out[:, -1:], answer, wrong)
-    return {"ld_source": ld_source, "ld_target": ld_target, "positions": positions, "ld": ld,
-            "patched": differ[:, positions]}
-
-
 def fraction_restored(ld: torch.Tensor, ld_source: torch.Tensor, ld_target: torch.Tensor) -> torch.Tensor:
     """(14.11) with the means over the examples (the last dimension), as residual_patching:
     ``(mean ld - mean ld_target) / (mean ld_source - mean ld_target)``."""
@@ -1004,10 +845,13 @@ def name_swap_entry(model: GPT, tokenizer, *, pairs=None, templates=TEMPLATES, l
         t_entry = {"tokens_of_first_pair": words, "length": clean.shape[1]}
         for direction, (src, tgt) in (("denoising", (clean, corrupted)), ("noising", (corrupted, clean))):
             tick = time.perf_counter()
-            res = patch_per_example(model, src, tgt, answer, wrong)
+            out = interp.residual_patching(model, src, tgt, answer, wrong, per_example=True)
+            positions = [int(p) for p in out["patched"].any(dim=0).nonzero().flatten()]  # changed at some entry
+            res = {"positions": positions, "patched": out["patched"][:, positions], "ld": out["ld"][:, positions],
+                   "ld_source": out["ld_clean"], "ld_target": out["ld_corrupted"]}
             pooled[direction].append(res)
             frac = fraction_restored(res["ld"], res["ld_source"], res["ld_target"])
-            per_pair = (res["ld"] - res["ld_target"]) / (res["ld_source"] - res["ld_target"])
+            per_pair = out["restored"][:, positions]
             ci = _bootstrap_restored(res["ld"], res["ld_source"], res["ld_target"])
             t_entry[direction] = {
                 "positions": res["positions"], "patched": res["patched"].tolist(),
@@ -1037,9 +881,9 @@ def name_swap_entry(model: GPT, tokenizer, *, pairs=None, templates=TEMPLATES, l
     return found
 
 
-def store(key: str, entry: dict, section: str = "runs") -> None:
-    """Add one entry to the JSON file (several commands may run at once: see tools/results_file.py)."""
-    add_entry(OUT, key, entry, section=section, header={
+def store(key: str, entry: dict, section: str = "runs", path: Path = OUT) -> None:
+    """Add one entry to the JSON file ``path`` (several commands may run at once: see tools/results_file.py)."""
+    add_entry(path, key, entry, section=section, header={
         "about": ("Induction-head runs for chapter 14 (one CPU thread each); see tools/ch14_results.py's docstring "
                   "for what is measured and the phase-change rule. Each entry says which command made it.")})
 
@@ -1067,6 +911,9 @@ def main(argv=None) -> None:
                    help="measure SmolLM2 or chapter 7's model instead of training (repeatable)")
     p.add_argument("--windows", action="store_true",
                    help="only recompute the stored runs' phase-change windows from their stored curves")
+    p.add_argument("--out", type=Path, default=OUT,
+                   help=f"the JSON file the entries go to (default: {OUT.relative_to(OUT.parents[3])}); e.g. a "
+                        "temporary file, to compare a run with the stored one")
     args = p.parse_args(argv)
     new = [name for name in args.entry or [] if name in NEW_ENTRIES]
     if new:
@@ -1078,11 +925,11 @@ def main(argv=None) -> None:
         for name in new:
             entry = measure_new(name, log=lambda m: print(m, flush=True))
             entry = {"command": f"OMP_NUM_THREADS=1 python tools/ch14_results.py --entry {name}", **entry}
-            store(name, entry, section="measurements")
+            store(name, entry, section="measurements", path=args.out)
             print(f"{name}: {entry['wall_seconds']} s", flush=True)
         return
     if args.windows:
-        for key, pc in recompute_windows().items():
+        for key, pc in recompute_windows(args.out).items():
             print(f"{key}: {pc}")
         return
     torch.set_num_threads(1)
@@ -1091,7 +938,7 @@ def main(argv=None) -> None:
             entry = measure(name)
             entry = {"command": ("OMP_NUM_THREADS=1 MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default "
                                  f"python tools/ch14_results.py --entry {name}"), **entry}
-            store(name, entry, section="measurements")
+            store(name, entry, section="measurements", path=args.out)
             print(f"{name}: {entry['wall_seconds']} s", {k: v for k, v in entry.items() if k != "hits"}, flush=True)
         return
     for seed in args.seed or [0, 1, 2]:
@@ -1100,7 +947,7 @@ def main(argv=None) -> None:
     for seed in args.seed or [0, 1, 2]:
         entry, _ = run_seed(seed)
         entry = {"command": f"OMP_NUM_THREADS=1 python tools/ch14_results.py --seed {seed}", **entry}
-        store(f"seed{seed}", entry)
+        store(f"seed{seed}", entry, path=args.out)
         pc, s = entry["phase_change"], entry["scores"]
         print(f"seed {seed}: {entry['wall_seconds']} s, phase change {pc}, prev-token {s['previous_token']}, "
               f"induction {s['induction']}, ablation {entry['ablation']}", flush=True)

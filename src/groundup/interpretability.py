@@ -13,10 +13,10 @@ removes them when it is done, also on an error:
   weights: :func:`copying_scores` (from :func:`copying_ranks`), :func:`ov_eigenvalue_scores`,
   :func:`composition_scores` (Elhage et al. 2021);
 * **interventions**: :func:`ablate_heads` (zero or mean ablation, a context manager), :func:`remove_from_inputs`
-  (one head's output taken out of what a later block's queries, keys or values read: composition tested by an
-  intervention), :func:`patch_residual`
-  (a context manager) and :func:`residual_patching` (activation patching per layer and position, Meng et al.
-  2022; Wang et al. 2022), with :func:`logit_difference` as the metric.
+  (some heads' output taken out of what a later block's queries, keys or values read, or one head's of it:
+  composition tested by an intervention), :func:`patch_residual` (a context manager) and
+  :func:`residual_patching` (activation patching per layer and position, Meng et al. 2022; Wang et al. 2022; also
+  per example), with :func:`logit_difference` as the metric.
 
 Layers and heads count from 0 in code: "layer 1" of the prose is ``layer=0``. The stream index ``layer`` runs
 over ``0 .. n_layers``: 0 is the input of block 0 (the embeddings), ``l`` the output of block ``l - 1``.
@@ -43,9 +43,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from groundup.attention import FUSABLE
+from groundup.attention import KVCache
 from groundup.layers import LayerNorm, RMSNorm
-from groundup.linear import Linear
 from groundup.models import GPT
 from groundup.utils import positive_int
 
@@ -594,68 +593,149 @@ def ablate_heads(model: GPT, heads: Iterable[tuple[int, int]], *, mode: str = "z
         yield model
 
 
-class _Unfused(Linear):
-    """A linear layer that attention does not stack with its neighbours into one matmul (it fuses only the
-    types in ``attention.FUSABLE``, exactly), so that a hook on it runs; it computes as the layer it replaces.
-    Used by :func:`remove_from_inputs` while its hooks are on."""
+def _check_sources(model: GPT, sources, layer: int) -> list[tuple[int, int]]:
+    """``sources``: one ``(layer, head)`` pair or a list of them, each once and before block ``layer``; in order."""
+    if isinstance(sources, tuple) and len(sources) == 2 and all(isinstance(s, numbers.Integral) for s in sources):
+        sources = [sources]
+    sources = list(sources)
+    _check_heads(model, sources)
+    pairs = [(int(a), int(b)) for a, b in sources]
+    if not pairs or len(set(pairs)) != len(pairs):
+        raise ValueError(f"sources must name at least one (layer, head) pair, each once, got {sources!r}")
+    if max(a for a, _ in pairs) >= layer:
+        raise ValueError(f"layer ({layer}) must come after the source heads' layers ({sorted({a for a, _ in pairs})})")
+    return pairs
+
+
+def _written(model: GPT, source: tuple[int, int], z: torch.Tensor) -> torch.Tensor:
+    """What head ``source = (layer, head)`` writes into the stream, ``W_O^h z^h`` (no bias), from its output ``z``
+    ``(..., d_head)`` (the head's slice of ``W_o``'s input, as in :func:`head_outputs`)."""
+    layer, head = source
+    d_head = z.shape[-1]
+    return z @ _weight(model.blocks[layer].attention.W_o)[:, head * d_head:(head + 1) * d_head].T.to(z.dtype)
 
 
 @contextlib.contextmanager
-def remove_from_inputs(model: GPT, source: tuple[int, int], layer: int, paths: Iterable[str] = ("k",)):
-    """A context manager in which block ``layer``'s attention reads its queries, keys and / or values (``paths``,
-    any of ``"q"``, ``"k"``, ``"v"``) from the stream *without* head ``source = (layer0, head)``'s direct output.
+def _projecting(attention: nn.Module, project):
+    """``attention`` computes its queries, keys and values with ``project(x, context, need_kv)`` instead of its
+    ``_project`` method (an instance attribute shadows the method; the previous state is restored on exit)."""
+    before = attention.__dict__.get("_project")
+    attention._project = project
+    try:
+        yield
+    finally:
+        if before is None:
+            del attention._project
+        else:
+            attention._project = before
 
-    Head ``source`` writes ``c = W_O^h z^h`` into the stream (no bias), and the stream carries ``c`` unchanged to
-    block ``layer > layer0``. A forward pre-hook on ``source``'s ``W_o`` records ``c``, one on block ``layer``
-    records that block's input ``x``, and pre-hooks on its ``W_q`` / ``W_k`` / ``W_v`` (for the chosen
-    ``paths``) replace their input ``N(x)`` by ``N(x - c)``. Everything else still sees ``c``: the other paths,
-    the residual connection, later blocks, the unembedding. In an attention-only model, with all three paths and
-    ``layer = layer0 + 1``, the block's attention computes exactly what it computes with ``source``
-    zero-ablated (an FFN in between would also see ``c``; it is not removed from what the FFN wrote). Needs
-    Pre-LN blocks.
-    While the hooks are on, the layer's ``W_q``, ``W_k``, ``W_v`` are computed one by one (not in one stacked
-    matmul), so that their hooks run; the model is restored on exit, also after an error.
+
+@contextlib.contextmanager
+def remove_from_inputs(model: GPT, sources, layer: int, paths: Iterable[str] = ("k",), *, head: int | None = None,
+                       outputs: Sequence[torch.Tensor] | None = None):
+    """A context manager in which block ``layer``'s attention reads its queries, keys and / or values (``paths``,
+    any of ``"q"``, ``"k"``, ``"v"``) from the stream *without* the direct output of the heads ``sources``: one
+    ``(layer0, head0)`` pair or a list of them, all in blocks before ``layer``.
+
+    Head ``(l, h)`` writes ``c = W_O^h z^h`` into the stream (no bias), and the stream carries ``c`` unchanged to
+    the later blocks. A forward pre-hook on each source's ``W_o`` records its ``z``, one on block ``layer`` takes
+    that block's input ``x`` and computes ``N(x - Σ c)`` (``N``: the block's first norm), and the attention's
+    projections for the chosen ``paths`` read it instead of ``N(x)``. Everything else still sees every ``c``: the
+    other paths, the residual connection, the FFNs, later blocks, the unembedding. Two modes:
+
+    * ``head=None``: every head of block ``layer`` reads the reduced stream through those paths. In an
+      attention-only model, with all three paths and ``layer = layer0 + 1``, the block's attention computes
+      exactly what it computes with the sources zero-ablated (an FFN in between would also see ``c``; it is not
+      removed from what the FFN wrote).
+    * ``head=h``: only head ``h`` of block ``layer`` does; every other head of the block (with grouped-query
+      attention its key/value neighbours too: ``h`` gets keys and values of its own) computes as before. A
+      forward pre-hook on the attention runs it a second time, with ``need_weights=True`` and its projections
+      reading the reduced stream, keeps head ``h``'s pattern and output, and a pre-hook on ``W_o`` puts that output
+      into head ``h``'s slice of the real call. With nothing removed that is the model's own computation up to
+      float rounding (the written-out softmax for the fused kernel). Not with a KV cache.
+
+    Yields a dict that every forward pass fills: ``"written"``, the removed ``Σ c`` ``(batch, seq, d_model)``; with
+    ``head`` also ``"pattern"`` ``(batch, seq, seq)`` and ``"z"`` ``(batch, seq, d_head)``, head ``h``'s
+    attention weights and output in this pass. ``outputs`` (:func:`head_outputs` of the same token ids) supplies
+    the sources' ``z`` instead of recording it, so that a pass may start at block ``layer`` (with the run's stream
+    entry ``layer``) without running the blocks before it again. Needs Pre-LN blocks. While the context is on, the
+    block's ``W_q``, ``W_k``, ``W_v`` are computed one by one (not in one stacked matmul: the attention's
+    ``_project`` is shadowed); the hooks are removed and ``_project`` restored on exit, also after an error.
     """
     _check_model(model)
-    layer0, head = _check_heads(model, [source]).popitem()
-    head = head[0]
     layer = _check_layer(model, layer)
-    if layer <= layer0:
-        raise ValueError(f"layer ({layer}) must come after the source head's layer ({layer0})")
+    sources = _check_sources(model, sources, layer)
     chosen = tuple(paths)  # "kv" is ("k", "v")
     if not chosen or any(p not in COMPOSITIONS for p in chosen):
         raise ValueError(f"paths must be a non-empty selection of {COMPOSITIONS}, got {paths!r}")
+    if head is not None:
+        head = _check_head(model, head)
+    if outputs is not None and len(outputs) != model.config.n_layers:
+        raise ValueError(f"outputs must be head_outputs of the run: one tensor per layer ({model.config.n_layers})")
     block = model.blocks[layer]
     if getattr(block, "norm_position", "pre") != "pre":
         raise ValueError("remove_from_inputs needs Pre-LN blocks (x + attention(norm_1(x)))")
-    attention, out = block.attention, model.blocks[layer0].attention.W_o
-    d_head = attention.d_head if hasattr(attention, "d_head") else model.config.d_model // model.config.n_heads
+    attention, n_heads = block.attention, model.config.n_heads
+    recorded: dict[tuple[int, int], torch.Tensor] = {}
     seen: dict[str, torch.Tensor] = {}
+    state: dict = {"inner": False, "reduced": None}
 
-    def record_c(module, args):
-        z = args[0][..., head * d_head:(head + 1) * d_head]
-        seen["c"] = z @ _weight(out)[:, head * d_head:(head + 1) * d_head].T.to(z.dtype)
+    def make_record(source_layer):  # on a source layer's W_o: its heads' outputs z, as head_outputs reads them
+        def record(module, args):
+            d_head = args[0].shape[-1] // n_heads
+            for s in sources:
+                if s[0] == source_layer:
+                    recorded[s] = args[0][..., s[1] * d_head:(s[1] + 1) * d_head]
+        return record
 
-    def record_x(module, args):
-        seen["x"] = args[0]
+    def reduce(module, args):  # on block `layer`: N(x - Σ c) for the chosen paths
+        x = args[0]
+        z = recorded if outputs is None else {s: outputs[s[0]][..., s[1], :] for s in sources}
+        if any(s not in z for s in sources):
+            raise ValueError(f"block {layer} ran without the sources' outputs of this pass: pass outputs= (their "
+                             "head_outputs) when a pass starts after them")
+        written = sum(_written(model, s, z[s]) for s in sources)
+        if written.shape != x.shape:
+            raise ValueError(f"the sources wrote {tuple(written.shape)}, the block reads {tuple(x.shape)}: outputs "
+                             "must come from the same token ids")
+        seen["written"], state["reduced"] = written, block.norm_1(x - written.to(x.dtype))
+        recorded.clear()
 
-    def without_c(module, args):
-        return (block.norm_1(seen["x"] - seen["c"]),) + tuple(args[1:])
+    def project(x, context=None, need_kv=True):  # the projections, the chosen paths reading the reduced stream
+        reads = {p: state["reduced"] if p in chosen else x for p in COMPOSITIONS}
+        return attention.W_q(reads["q"]), attention.W_k(reads["k"]), attention.W_v(reads["v"])
 
-    swapped = [getattr(attention, f"W_{p}") for p in COMPOSITIONS]
-    swapped = [(m, type(m)) for m in swapped if type(m) in FUSABLE]
-    with _hooks() as handles:
+    cut = None if head is None else slice(head * attention.d_head, (head + 1) * attention.d_head)
+
+    def second_pass(module, args, kwargs):  # head mode: run the attention again on the reduced stream
+        if kwargs.get("cache") is not None:
+            raise ValueError("remove_from_inputs with head= does not work with a KV cache")
+        state["inner"] = True
         try:
-            for m, _ in swapped:
-                m.__class__ = _Unfused
-            handles.append(out.register_forward_pre_hook(record_c))
-            handles.append(block.register_forward_pre_hook(record_x))
-            for p in dict.fromkeys(chosen):
-                handles.append(getattr(attention, f"W_{p}").register_forward_pre_hook(without_c))
-            yield model
+            with _projecting(attention, project):
+                _, weights = attention.forward(*args, **{**kwargs, "need_weights": True})
         finally:
-            for m, kind in swapped:
-                m.__class__ = kind
+            state["inner"] = False
+        seen["pattern"] = weights[:, head].detach()
+
+    def swap_head(module, args):  # head mode: the second pass's output of the head into the real call
+        if state["inner"]:
+            seen["z"] = args[0][..., cut].detach().clone()
+            return None
+        x = args[0].clone()
+        x[..., cut] = seen["z"].to(x.dtype)
+        return (x,) + tuple(args[1:])
+
+    with _hooks() as handles, (_projecting(attention, project) if head is None else contextlib.nullcontext()):
+        if outputs is None:
+            for source_layer in dict.fromkeys(a for a, _ in sources):
+                handles.append(model.blocks[source_layer].attention.W_o.register_forward_pre_hook(
+                    make_record(source_layer)))
+        handles.append(block.register_forward_pre_hook(reduce))
+        if head is not None:
+            handles.append(attention.register_forward_pre_hook(second_pass, with_kwargs=True))
+            handles.append(attention.W_o.register_forward_pre_hook(swap_head))
+        yield seen
 
 
 def _stream_hook(model: GPT, layer: int, replace):
@@ -726,8 +806,61 @@ def _check_ids(name: str, idx, model: GPT) -> torch.Tensor:
     return idx
 
 
+def _run_from(model: GPT, x: torch.Tensor, layer: int, *, start: int = 0,
+              cache: Sequence[KVCache] | None = None) -> torch.Tensor:
+    """Blocks ``layer .. n_layers - 1`` on the stream entry ``x`` ``(batch, n, d_model)`` of the positions
+    ``start .. start + n - 1`` (entry ``layer`` of :func:`residual_stream`): returns the last entry, before the
+    final norm. What ``GPT.forward`` computes after block ``layer - 1``, with the blocks' hooks, so that an
+    intervention at or after block ``layer`` need not run the blocks before it again. ``cache`` (the KV cache of
+    ``GPT.forward`` on the whole sequences) supplies the keys and values of the positions before ``start``, so that
+    ``x`` may be the sequences' tail. RoPE, learned or sinusoidal positions (not a relative or ALiBi bias, which
+    ``GPT.forward`` builds itself). Eval mode, no gradients."""
+    c = model.config
+    if c.positional in ("relative", "alibi"):
+        raise ValueError(f"running from a stream entry needs positions that the stream or RoPE carries, not "
+                         f"{c.positional!r}")
+    blocks = list(model.blocks)[layer:]
+    caches = [None] * len(blocks)
+    if cache is not None:
+        caches = [KVCache() for _ in blocks]
+        for kv, full in zip(caches, cache[layer:], strict=True):
+            if start > 0:
+                kv.k, kv.v = full.k[..., :start, :], full.v[..., :start, :]
+    positions = torch.arange(start, start + x.shape[1])
+    with _inspecting(model):
+        for block, kv in zip(blocks, caches, strict=True):
+            x = block(x, rotary=model.rotary if c.positional == "rope" else None, positions=positions,
+                      is_causal=model.causal, cache=kv)
+    return x
+
+
+def _last_logit_difference(model: GPT, final: torch.Tensor, answer, wrong) -> torch.Tensor:
+    """:func:`logit_difference` at the last position, from the last stream entry ``final`` (before the final norm)."""
+    with torch.no_grad():
+        return logit_difference(model.unembedding(model.final_norm(final[:, -1:])).float(), answer, wrong)
+
+
+def _patching_per_example(model: GPT, corrupted, clean_stream, corrupted_stream, answer, wrong, chosen,
+                          differ) -> dict[str, torch.Tensor]:
+    """``residual_patching(..., per_example=True)``: every patch a run of blocks ``l ..`` on positions ``p ..``."""
+    ld_clean = _last_logit_difference(model, clean_stream[-1], answer, wrong)
+    ld_corrupted = _last_logit_difference(model, corrupted_stream[-1], answer, wrong)
+    cache = model.new_cache()
+    with _inspecting(model):
+        model(corrupted, cache=cache, last_only=True)
+    ld = ld_corrupted.expand(len(chosen), corrupted.shape[1], -1).clone()  # (entries, seq, batch)
+    for row, layer in enumerate(chosen):
+        for p in differ[row].nonzero().flatten().tolist():
+            x = corrupted_stream[layer][:, p:].clone()
+            x[:, 0] = clean_stream[layer][:, p]
+            ld[row, p] = _last_logit_difference(model, _run_from(model, x, layer, start=p, cache=cache), answer,
+                                                wrong)
+    return {"ld_clean": ld_clean, "ld_corrupted": ld_corrupted, "ld": ld, "patched": differ,
+            "restored": (ld - ld_corrupted) / (ld_clean - ld_corrupted)}
+
+
 def residual_patching(model: GPT, clean: torch.Tensor, corrupted: torch.Tensor, answer, wrong, *,
-                      layers: Sequence[int] | None = None) -> torch.Tensor:
+                      layers: Sequence[int] | None = None, per_example: bool = False):
     """Activation patching of the residual stream: how much of the clean run's logit difference comes back when
     one position of one stream entry of the corrupted run is replaced by the clean run's.
 
@@ -748,18 +881,34 @@ def residual_patching(model: GPT, clean: torch.Tensor, corrupted: torch.Tensor, 
     A position whose clean and corrupted stream vectors are equal in every example (in a causal model: every
     position before the first token that differs) would be patched with itself: its entry is 0 by definition and
     it is not run, which saves most of the work when the pair differs late in the prompt.
+
+    ``per_example=True`` keeps the examples apart and returns a dict of tensors: ``ld_clean``, ``ld_corrupted``
+    ``(batch,)``, the two runs' logit differences; ``ld`` ``(len(layers), seq, batch)``, the patched runs', and
+    ``restored``, the fraction per example, ``(ld - ld_corrupted) / (ld_clean - ld_corrupted)`` (infinite or nan
+    for an example whose two runs agree); ``patched`` ``(len(layers), seq)``, False where the position was not run
+    (``ld`` is then ``ld_corrupted``). The mean over the examples of ``ld``, normalised as above, is the default
+    result up to float rounding: here each patch runs only what it can change, blocks ``l ..`` on positions
+    ``p ..``, the earlier positions' keys and values taken from a KV cache of the corrupted run (RoPE, learned or
+    sinusoidal positions). Swap ``clean`` and ``corrupted`` for noising (how much of the clean behaviour one
+    corrupted vector destroys).
     """
     _check_model(model)
     clean, corrupted = _check_ids("clean", clean, model), _check_ids("corrupted", corrupted, model)
     if clean.shape != corrupted.shape:
         raise ValueError(f"clean and corrupted must have the same shape (batch, seq), got {tuple(clean.shape)} and "
                          f"{tuple(corrupted.shape)}")
+    if not isinstance(per_example, bool):
+        raise TypeError(f"per_example must be True or False, got {per_example!r}")
     batch, seq = clean.shape
     chosen = list(range(model.config.n_layers + 1)) if layers is None else \
         [_check_layer(model, layer, stream=True, name="layers") for layer in layers]
     if not chosen:
         raise ValueError("layers must name at least one stream entry (or be None for all)")
     clean_stream, corrupted_stream = residual_stream(model, clean), residual_stream(model, corrupted)
+    differ = torch.stack([(clean_stream[layer] != corrupted_stream[layer]).any(dim=-1).any(dim=0)
+                          for layer in chosen])  # (len(chosen), seq): the positions worth patching
+    if per_example:
+        return _patching_per_example(model, corrupted, clean_stream, corrupted_stream, answer, wrong, chosen, differ)
     with _inspecting(model):
         ld_clean = float(logit_difference(model(clean, last_only=True)[0], answer, wrong).mean())
         ld_corrupted = float(logit_difference(model(corrupted, last_only=True)[0], answer, wrong).mean())
@@ -769,12 +918,12 @@ def residual_patching(model: GPT, clean: torch.Tensor, corrupted: torch.Tensor, 
     answer, wrong = _per_example("answer", answer, batch), _per_example("wrong", wrong, batch)
     restored = torch.zeros(len(chosen), seq)
     for row, layer in enumerate(chosen):
-        differ = (clean_stream[layer] != corrupted_stream[layer]).any(dim=-1).any(dim=0).nonzero().flatten()
-        if differ.numel() == 0:
+        positions = differ[row].nonzero().flatten()
+        if positions.numel() == 0:
             continue
-        k = differ.numel()
-        repeated = corrupted.repeat(k, 1)  # copy c (rows c*batch .. (c+1)*batch - 1) gets position differ[c] patched
-        rows, copies = torch.arange(k * batch), differ.repeat_interleave(batch)
+        k = positions.numel()
+        repeated = corrupted.repeat(k, 1)  # copy c (rows c*batch .. (c+1)*batch - 1) gets position positions[c]
+        rows, copies = torch.arange(k * batch), positions.repeat_interleave(batch)
         patch = clean_stream[layer][torch.arange(batch).repeat(k), copies]  # (k * batch, d_model)
 
         def replace(x, patch=patch, rows=rows, copies=copies):
@@ -786,5 +935,5 @@ def residual_patching(model: GPT, clean: torch.Tensor, corrupted: torch.Tensor, 
             handles.append(_stream_hook(model, layer, replace))
             logits = model(repeated, last_only=True)[0]
         ld = logit_difference(logits, answer.repeat(k), wrong.repeat(k))
-        restored[row, differ] = (ld.view(k, batch).mean(dim=1) - ld_corrupted) / (ld_clean - ld_corrupted)
+        restored[row, positions] = (ld.view(k, batch).mean(dim=1) - ld_corrupted) / (ld_clean - ld_corrupted)
     return restored
