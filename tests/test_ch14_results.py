@@ -219,6 +219,11 @@ def test_stored_entry_is_complete_and_consistent(key):
         table = entry[name]
         assert len(table) == 4 and all(len(row) == 4 and all(0 <= x <= 1 for x in row) for row in table)
     assert len(entry["ablation"]["zero_layer"]) == 2
+    pairs = entry["ablation"]["zero_pairs_layer0"]  # every pair of layer-0 heads zeroed together
+    assert sorted(pairs) == ["0,1", "0,2", "0,3", "1,2", "1,3", "2,3"]
+    assert all(math.isfinite(v) for v in pairs.values())
+    assert pairs["2,3"] != pairs["0,1"]
+    assert entry["ablation"]["zero_layer"][0] not in pairs.values()  # two heads are not the whole layer
     for mode in ("zero", "mean"):
         table = entry["ablation"][mode]
         assert len(table) == 2 and all(len(row) == 4 and all(math.isfinite(x) for x in row) for row in table)

@@ -146,6 +146,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -277,7 +278,8 @@ def head_scores(model: GPT, tokens: torch.Tensor) -> dict:
 
 
 def ablations(model: GPT, tokens: torch.Tensor, reference: torch.Tensor) -> dict:
-    """The in-context loss on ``tokens`` with each head ablated alone (lists [layer][head])."""
+    """The in-context loss on ``tokens`` with each head ablated alone (lists [layer][head]), each layer zeroed, and
+    each pair of layer-0 heads zeroed together (``"a,b"`` keys)."""
     means = mean_head_outputs(model, reference, per_position=True)
     c = model.config
     found = {"none": round(in_context_loss(model, tokens), DIGITS)}
@@ -294,6 +296,10 @@ def ablations(model: GPT, tokens: torch.Tensor, reference: torch.Tensor) -> dict
     for layer in range(c.n_layers):
         with ablate_heads(model, [(layer, head) for head in range(c.n_heads)]):
             found["zero_layer"].append(round(in_context_loss(model, tokens), DIGITS))
+    found["zero_pairs_layer0"] = {}  # two layer-0 heads zeroed together: a backup previous-token head shows here
+    for a, b in itertools.combinations(range(c.n_heads), 2):
+        with ablate_heads(model, [(0, a), (0, b)]):
+            found["zero_pairs_layer0"][f"{a},{b}"] = round(in_context_loss(model, tokens), DIGITS)
     return found
 
 
