@@ -339,7 +339,7 @@ def _command(entry, name):
     assert entry["threads"] == 1 and entry["mkl_cbwr"] == "COMPATIBLE" and entry["wall_seconds"] > 0
 
 
-def test_the_stored_measurements_are_the_six_entries():
+def test_the_stored_measurements_are_the_seven_entries():
     assert sorted(MEASURED) == sorted(ch14_results.ENTRIES + ch14_results.NEW_ENTRIES)
 
 
@@ -821,3 +821,30 @@ def test_smollm2_new_entries_recomputed_on_a_few_sequences(smollm2):
     ld = torch.tensor(swap["ld_per_pair"])[21, :, 0]
     src, tgt = swap["ld_source_per_pair"][0], swap["ld_target_per_pair"][0]
     assert restored == pytest.approx(((ld - tgt) / (src - tgt)).tolist(), abs=5e-3)
+
+
+def test_stored_smollm2_copiers_is_consistent_with_the_other_entries():
+    e, ind = MEASURED["smollm2-copiers"], MEASURED["smollm2-induction"]
+    assert "smollm2-copiers" in NEW  # its command and arithmetic: test_stored_new_entries_ran_under_...
+    copying = torch.tensor(MEASURED["smollm2-copying"]["copying"])
+    expected = [f"{la}.{h}" for la in ch14_results.SOURCE_LAYERS for h in range(9)
+                if float(copying[la, h]) > ch14_results.COPY_MIN]
+    assert e["copiers_1718"] == expected and len(expected) == 4
+    assert e["top5_copiers"] == [f"{i // 9}.{i % 9}" for i in copying.flatten().topk(5).indices.tolist()]
+    assert e["top5_induction"] == ind["top5_induction"]
+    # the same sequences: the unablated losses are the induction entry's, sequence by sequence
+    assert e["ablation"]["none"]["per_seq"] == ind["ablation"]["conditions"]["none"]["per_seq"]
+    assert e["top5_zeroed_dla"]["total"]["intact"]["mean"] == pytest.approx(ind["dla_total"]["mean"], abs=1e-3)
+    ind_mean = torch.tensor(ind["induction_mean"])
+    for name in ("copiers_1718", "top5_copiers"):
+        targets = e["ablation"][name]["heads"]
+        controls = [v["heads"] for k, v in e["ablation"].items() if k.startswith(f"{name}_control")]
+        assert len(controls) == ch14_results.N_CONTROLS and len({tuple(c) for c in controls}) == len(controls)
+        for heads in controls:  # same layers, as many from each; neither copiers nor induction heads
+            assert sorted(h.split(".")[0] for h in heads) == sorted(h.split(".")[0] for h in targets)
+            for h in heads:
+                la, hd = map(int, h.split("."))
+                assert float(copying[la, hd]) <= ch14_results.COPY_MIN and float(ind_mean[la, hd]) < 0.1
+    dla = e["top5_zeroed_dla"]
+    assert dla["total"]["zeroed"]["mean"] < dla["total"]["intact"]["mean"] - 3  # the total effect on the logit
+    assert "29.1" in dla["large_share_heads"]

@@ -100,7 +100,7 @@ to 4 digits. An *induction head* scores at least ``INDUCTION_CUT`` = 0.4 (mean o
 head less than ``CONTROL_MAX`` = 0.1.
 
 * ``smollm2-induction``: (1) every head's induction score (eq. 14.4, per sequence: ``induction_mean`` / ``_sd``
-  [layer][head]) and its direct share, the chapter's centred direct logit attribution (14.10) of the right next
+  [layer][head]) and its direct share, the chapter's centred direct logit attribution (14.9) of the right next
   token, each sequence's mean over the repeat positions (``dla_mean`` / ``_sd``; the whole centred logit, the 270
   heads' and the rest's shares as summaries); ``heads`` lists, with per-sequence values, every head with
   ``|share| >= LARGE_SHARE`` = 0.2 logits, every induction head, the top five by induction score and 23.2, 23.7.
@@ -125,7 +125,14 @@ head less than ``CONTROL_MAX`` = 0.1.
   (``layer23/q`` ...) beside pairs of layer-23 control heads (``layer23_control0/q`` ..., ``CONTROL_SEED + 3``).
   ``attention`` (baseline and each removal) summarises where the target attends (:func:`attention_profile`).
   Only the direct path is removed: what the sources changed in the blocks between them and the target stays.
-* ``smollm2-name-swap``: name-swap patching (eq. 14.9) on ``IOI_PAIRS`` = 50 ordered pairs of the single-token
+* ``smollm2-copiers``: on the sequences of ``smollm2-induction``, (1) the loss per sequence with the copiers of
+  layers 17-18 zeroed (``copiers_1718``: copying score (14.5) above ``COPY_MIN`` = 0.01 in ``smollm2-copying``) and
+  with the five top copiers zeroed (``top5_copiers``), each beside ``N_CONTROLS`` = 20 sets of heads of the same
+  layers, as many from each, that neither copy nor prefix-match (copying <= 0.01, induction score < 0.1; seeds
+  ``CONTROL_SEED + 4``, ``+ 5``); (2) ``top5_zeroed_dla``: the centred direct shares (14.9) of every head with
+  ``|share| >= LARGE_SHARE``, the 270 heads', the FFNs' and the whole centred logit, per sequence, intact and with
+  the five top induction heads zeroed (the total effect the two-tier test then takes apart).
+* ``smollm2-name-swap``: name-swap patching (eq. 14.11) on ``IOI_PAIRS`` = 50 ordered pairs of the single-token
   ``NAMES`` (:func:`name_pairs`: the chapter's Mary / John, then pairs drawn with seed ``IOI_SEED``; every name is
   checked to be one token with its leading space) in the two ``TEMPLATES``, ABBA ("When {io} and {s} went to the
   store, {s} gave a drink to") and BABA ("When {s} and {io} ..."); the clean prompt's answer is `` io``, the
@@ -189,7 +196,7 @@ COPY_TOKENS, COPY_SEED = 1024, 14
 LENS_WINDOWS, LENS_WINDOW_TOKENS = 32, 129  # SmolLM2: 32 windows of 129 tokens, 128 predictions each
 ENTRIES = ("smollm2-copying", "smollm2-lens", "chapter7-lens")
 # issue 39, items 3 and 4: run under the notebooks' arithmetic (results_file.on_notebook_arithmetic)
-NEW_ENTRIES = ("smollm2-induction", "smollm2-two-tier", "smollm2-name-swap")
+NEW_ENTRIES = ("smollm2-induction", "smollm2-two-tier", "smollm2-name-swap", "smollm2-copiers")
 SMOLLM2 = "SmolLM2-135M-Instruct: the Q4_1 GGUF file dequantized to float32 (groundup.pretrained.load_smollm2)"
 SMOL_SEQ, SMOL_HALF = 64, 16  # 64 repeated sequences of 2 x 16 tokens (the chapter's length), 15 predictions each
 SMOL_SEED, SMOL_MEAN_SEED, SMOL_BASELINE_SEED, CONTROL_SEED = 1410, 1411, 1412, 1413
@@ -396,7 +403,7 @@ def lens_windows(ids: torch.Tensor, n_windows: int | None, length: int) -> torch
 
 
 def lens_statistics(model: GPT, windows: torch.Tensor, *, batch: int = 4, per_window: bool = False) -> dict:
-    """The logit lens (eq. 14.8) on ``windows (n, w + 1)`` of token ids, predicting tokens 1 .. w of each from
+    """The logit lens (eq. 14.10) on ``windows (n, w + 1)`` of token ids, predicting tokens 1 .. w of each from
     those before; summarised per stream entry (see the module docstring). ``hits``: per entry, the positions where
     the lens's argmax is the next token; with ``per_window`` also ``window_hits``, those counts per window. One
     entry's logits at a time, ``batch`` windows at a time, so SmolLM2's 31 x 49,152 logits a position are never
@@ -549,7 +556,7 @@ def _reading(model: GPT, final: torch.Tensor, tokens: torch.Tensor) -> torch.Ten
 
 def head_direct_shares(model: GPT, final: torch.Tensor, tokens: torch.Tensor, layer: int,
                        z: torch.Tensor) -> torch.Tensor:
-    """The centred direct logit attribution (14.10) of layer ``layer``'s heads to the right next token, each
+    """The centred direct logit attribution (14.9) of layer ``layer``'s heads to the right next token, each
     sequence's mean over the positions of :func:`repeat_slice`: ``(batch, n_heads)``, from the last stream entry
     ``final`` and the heads' outputs ``z`` ``(batch, 2H, n_heads, d_head)`` of that run (``z`` may also be one
     head's ``(batch, 2H, d_head)`` with ``W_o``'s columns of that head: pass ``layer=(layer, head)``)."""
@@ -708,6 +715,73 @@ def induction_entry(model: GPT, *, n_seq: int = SMOL_SEQ, half_len: int = SMOL_H
             "conditions": {k: {"heads": _names(conditions[k]), "loss": summary(x),
                                "minus_none": summary(x - losses["none"]), "per_seq": _r(x)}
                            for k, x in losses.items()}},
+    }
+
+
+COPY_MIN = 0.01  # a copier: copying score (14.5) above 0.01 (a random circuit scores about 2e-5)
+
+
+def copiers_entry(model: GPT, *, n_seq: int = SMOL_SEQ, half_len: int = SMOL_HALF, seed: int = SMOL_SEED,
+                  n_controls: int = N_CONTROLS, cut: float = INDUCTION_CUT, control_max: float = CONTROL_MAX,
+                  copying: list | None = None, log=print) -> dict:
+    """``smollm2-copiers`` (module docstring) for ``model``: the copiers' ablations and the direct shares with the
+    top five induction heads zeroed, on the sequences of ``smollm2-induction``, with per-sequence values."""
+    v, n_heads = model.config.vocab_size, model.config.n_heads
+    if copying is None:
+        copying = json.loads(OUT.read_text())["measurements"]["smollm2-copying"]["copying"]
+    copy_t = torch.tensor(copying)
+    tokens = repeated_random_tokens(n_seq, half_len, v, torch.Generator().manual_seed(seed))
+    run = clean_run(model, tokens)
+    ind = torch.stack([sequence_induction_scores(p) for p in run["patterns"]]).mean(1)  # (L, H)
+    top5 = [divmod(int(i), n_heads) for i in ind.flatten().topk(5).indices]
+    copiers = [(la, h) for la in SOURCE_LAYERS for h in range(n_heads) if float(copy_t[la, h]) > COPY_MIN]
+    top_copy = [divmod(int(i), n_heads) for i in copy_t.flatten().topk(5).indices]
+    # controls: heads of the same layers that neither copy nor prefix-match
+    neutral = {la: [h for h in range(n_heads) if float(copy_t[la, h]) <= COPY_MIN
+                    and float(ind[la, h]) < min(control_max, cut)] for la in range(model.config.n_layers)}
+    losses, conditions = {"none": run["loss"]}, {"none": []}
+    for name, heads, offset in (("copiers_1718", copiers, 4), ("top5_copiers", top_copy, 5)):
+        losses[name], conditions[name] = ablated_losses(model, run, tokens, heads), heads
+        counts = {}
+        for la, _ in heads:
+            counts[la] = counts.get(la, 0) + 1
+        for k, control in enumerate(_draw_controls(neutral, counts, n_controls, CONTROL_SEED + offset)):
+            key = f"{name}_control{k}"
+            losses[key], conditions[key] = ablated_losses(model, run, tokens, control), control
+        log(f"{name} {float(losses[name].mean()):.3f}; controls " + ", ".join(
+            f"{float(x.mean()):.2f}" for key, x in losses.items() if key.startswith(f"{name}_control")))
+
+    # direct shares (the chapter's centred DLA, each sequence's mean over the repeat), intact and top five zeroed
+    targets = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+    s = repeat_slice(tokens)
+
+    def shares():
+        parts = interp.direct_logit_attribution(model, tokens, targets, centred=True)
+        total = parts["embedding"] + parts["heads"].sum((0, 1)) + parts["rest"].sum(0) + parts["bias"]
+        return (parts["heads"][..., s].mean(-1), parts["rest"][..., s].mean(-1).sum(0),  # (L, H, batch), (batch,)
+                total[:, s].mean(-1))
+
+    heads_on, rest_on, total_on = shares()
+    with interp.ablate_heads(model, top5):
+        heads_off, rest_off, total_off = shares()
+    mean_on = heads_on.mean(-1)
+    large = [divmod(int(i), n_heads) for i in mean_on.abs().flatten().argsort(descending=True)
+             if float(mean_on.abs().flatten()[i]) >= LARGE_SHARE]
+    log(f"centred logit {float(total_on.mean()):.2f} -> {float(total_off.mean()):.2f} with the top five zeroed")
+    return {
+        "tokens": {"n_seq": n_seq, "half_len": half_len, "seed": seed, "as": "smollm2-induction"},
+        "copy_min": COPY_MIN, "copiers_1718": _names(copiers), "top5_copiers": _names(top_copy),
+        "top5_induction": _names(top5), "control_seeds": {"copiers_1718": CONTROL_SEED + 4,
+                                                          "top5_copiers": CONTROL_SEED + 5},
+        "ablation": {k: {"heads": _names(conditions[k]), "loss": summary(x), "minus_none": summary(x - losses["none"]),
+                         "per_seq": _r(x)} for k, x in losses.items()},
+        "top5_zeroed_dla": {
+            "total": {"intact": summary(total_on), "zeroed": summary(total_off)},
+            "heads_sum": {"intact": summary(heads_on.sum((0, 1))), "zeroed": summary(heads_off.sum((0, 1)))},
+            "rest": {"intact": summary(rest_on), "zeroed": summary(rest_off)},
+            "large_share_heads": _names(large),
+            "heads": {f"{la}.{h}": {"intact": summary(heads_on[la, h]), "zeroed": summary(heads_off[la, h]),
+                                    "change": summary(heads_off[la, h] - heads_on[la, h])} for la, h in large}},
     }
 
 
@@ -905,6 +979,8 @@ def measure_new(name: str, log=print) -> dict:
         entry = induction_entry(model, log=log)
     elif name == "smollm2-two-tier":
         entry = two_tier_entry(model, log=log)
+    elif name == "smollm2-copiers":
+        entry = copiers_entry(model, log=log)
     else:
         entry = name_swap_entry(model, tok, log=log)
     return {"model": SMOLLM2, **entry, "machine": machine(), "wall_seconds": round(time.perf_counter() - tick, 1)}
