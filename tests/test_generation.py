@@ -1,4 +1,5 @@
-"""Tests for groundup.generation: the top-k and top-p filters, and generate() with and without the KV cache."""
+"""Tests for groundup.generation: the top-k and top-p filters, generate() with and without the KV cache, and beam_search
+(also against transformers' generate(num_beams=...))."""
 
 import math
 
@@ -611,3 +612,115 @@ def test_beam_search_restores_the_training_flag():
     model.train()
     beam_search(model, torch.tensor([[1, 2]]), 2)
     assert model.training
+
+
+# ---- beam_search against transformers' generate(num_beams=...) ----------------------------------------------
+
+HF_VOCAB, HF_NEW = 64, 8
+
+
+@pytest.fixture(scope="module")
+def gpt2_pair(tmp_path_factory):
+    """transformers' GPT2LMHeadModel with random weights large enough for peaked distributions (init 0.3, not
+    0.02: the most probable next token has about 0.1-0.3 instead of about 1/64), and the same checkpoint loaded
+    into the book's GPT by groundup.pretrained.load_gpt2."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from groundup.pretrained import load_gpt2
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=HF_VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                     initializer_range=0.3, bos_token_id=None, eos_token_id=None)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    hf.generation_config.pad_token_id = 0
+    hf.generation_config.eos_token_id = None  # no end token unless a test passes one
+    folder = tmp_path_factory.mktemp("gpt2_beam")
+    hf.save_pretrained(folder)
+    ours, _ = load_gpt2(folder, tokenizer=False)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, HF_VOCAB, (1, n), generator=g) for n in (1, 3, 5)]
+    return ours, hf, prompts
+
+
+def hf_beam(hf, prompt, width, *, n=HF_NEW, length_penalty=0.0, end_id=None, early_stopping=False):
+    """transformers' deterministic beam search: (tokens, sequences_scores[0] or None for width 1, i.e. greedy)."""
+    kwargs = {} if width == 1 else {"length_penalty": length_penalty, "early_stopping": early_stopping}
+    with torch.no_grad():
+        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), num_beams=width, max_new_tokens=n,
+                          do_sample=False, num_return_sequences=1, eos_token_id=end_id, output_scores=True,
+                          return_dict_in_generate=True, **kwargs)
+    return out.sequences, (None if width == 1 else float(out.sequences_scores[0]))
+
+
+def recording_beams(monkeypatch):
+    """Make beam_search record, after every step, the last token of each surviving hypothesis, best-ranked first."""
+    import groundup.generation as generation
+
+    steps, step = [], generation.beam_step
+
+    def recorded(*args, **kwargs):
+        result = step(*args, **kwargs)
+        token, scores = result[1], result[2]
+        steps.append(token[0, scores[0].argsort(descending=True)].tolist())
+        return result
+
+    monkeypatch.setattr(generation, "beam_step", recorded)
+    return steps
+
+
+def test_beam_search_matches_transformers_without_an_end_token(gpt2_pair):
+    """Widths 1-8, three prompts: the same tokens as generate(num_beams=k, do_sample=False), and the same score:
+    transformers' sequences_scores is log P / n^length_penalty with n the number of new tokens."""
+    ours, hf, prompts = gpt2_pair
+    differs_from_greedy = 0
+    for prompt in prompts:
+        greedy = generate(ours, prompt, HF_NEW, greedy=True)
+        for width in range(1, 9):
+            got, score = beam_search(ours, prompt, HF_NEW, beam_width=width, return_scores=True)
+            theirs, their_score = hf_beam(hf, prompt, width)
+            assert torch.equal(got, theirs), (prompt.tolist(), width)
+            differs_from_greedy += not torch.equal(got, greedy)
+            if width > 1:
+                assert float(score[0]) == pytest.approx(their_score, abs=1e-5)  # transformers sums in float32
+            if width in (2, 5):  # the penalty only rescales the score when every hypothesis has n tokens
+                for penalty in (1.0, 2.0):
+                    got_p, score_p = beam_search(ours, prompt, HF_NEW, beam_width=width, length_penalty=penalty,
+                                                 return_scores=True, use_cache=penalty == 1.0)
+                    theirs_p, their_score_p = hf_beam(hf, prompt, width, length_penalty=penalty)
+                    assert torch.equal(got_p, got) and torch.equal(theirs_p, got)
+                    assert float(score_p[0]) / HF_NEW ** penalty == pytest.approx(their_score_p, abs=1e-5)
+    assert differs_from_greedy >= 6  # the beams are not all greedy decoding in disguise (13 of 21 here)
+
+
+def test_beam_search_with_an_end_token_matches_transformers_where_the_two_must_agree(gpt2_pair, monkeypatch):
+    """With an end token the two searches differ in general (see beam_search's docstring); they must agree when
+    no hypothesis in the beam ends with it before the last step and at the last step only the best one may: the
+    search is then the one without an end token, and both return its best hypothesis (the book because it is
+    finished or none is, transformers because max_new_tokens stops every hypothesis). Widths 1-6,
+    length_penalty 0, 1, 2. Beam search is the same up to step j whatever max_new_tokens is, so the end token is
+    one that first enters the beam at step j as its best hypothesis alone, with max_new_tokens = j (the latest
+    such step); else a token no hypothesis ends with over HF_NEW steps."""
+    ours, hf, prompts = gpt2_pair
+    reached = 0
+    for prompt in prompts:
+        for width in range(1, 7):
+            steps = recording_beams(monkeypatch)
+            beam_search(ours, prompt, HF_NEW, beam_width=width)
+            monkeypatch.undo()
+            first = {}  # token -> (step, rank) where a hypothesis first ends with it
+            for j, step in enumerate(steps):
+                for rank, t in enumerate(step):
+                    first.setdefault(t, (j, rank))
+            alone = [(j + 1, t) for t, (j, rank) in first.items() if rank == 0 and t not in steps[j][1:]]
+            n, end_id = max(alone) if alone else (HF_NEW, min(set(range(HF_VOCAB)) - set(first)))
+            reached += bool(alone) and n > 1
+            plain = beam_search(ours, prompt, n, beam_width=width)
+            assert bool(alone) == (int(plain[0, -1]) == end_id)
+            for penalty in (0.0, 1.0, 2.0):
+                got, score = beam_search(ours, prompt, n, beam_width=width, length_penalty=penalty, end_id=end_id,
+                                         return_scores=True)
+                theirs, their_score = hf_beam(hf, prompt, width, n=n, length_penalty=penalty, end_id=end_id)
+                assert torch.equal(got, plain) and torch.equal(theirs, plain), (prompt.tolist(), width, penalty)
+                if width > 1:
+                    assert float(score[0]) / n ** penalty == pytest.approx(their_score, abs=1e-5)  # float32 sums
+    assert reached >= 10  # most cases (13 of 18) end with the end token, reached by the winner alone after 2+ steps

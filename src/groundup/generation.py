@@ -312,6 +312,24 @@ def beam_search(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, bea
     and with ``return_scores=True`` also their log-probabilities, a float tensor ``(batch,)``. The KV cache works
     as in :func:`generate` (after each step the caches' rows are reordered to follow their hypotheses); once the
     sequence outgrows the context every step re-runs the cropped window. Eval mode, no gradients.
+
+    **Compared with Hugging Face.** ``transformers``' ``generate(num_beams=k, do_sample=False)`` (read in 5.23)
+    keeps the ``k`` best *unfinished* hypotheses running, ranked by ``log P`` alone, and the finished ones apart, in
+    a list of at most ``k`` ranked by ``log P / L^length_penalty`` (``L`` the new tokens, end token included). A
+    candidate that emits the end token enters that list only if it is among the step's ``k`` best candidates by
+    ``log P``, and leaves it only for a better finished one; at ``max_new_tokens`` the ``k`` best candidates
+    enter it too, unfinished or not; the best of the list wins (``early_stopping`` may end the search before
+    ``max_new_tokens``; with ``length_penalty > 0`` and ``False``, its default, by a heuristic that can miss
+    a better hypothesis). Here a finished hypothesis takes one of the ``k`` places, so fewer hypotheses run; it is
+    ranked against the unfinished ones, whose ``len`` is their current length, at every step, and ``k``
+    better-ranked candidates push it out even if all of them later fall below it; and at the end a finished
+    hypothesis beats every unfinished one. The results are therefore the same without ``end_id`` (every
+    hypothesis has ``max_new_tokens`` tokens, so ``length_penalty`` changes no ranking; transformers' sequence
+    score is the log-probability returned here divided by ``max_new_tokens^length_penalty``), and with ``end_id``
+    when no hypothesis in the beam ends with it before the last step and at the last step only the best one
+    may; otherwise they can differ, even with ``length_penalty=0``. transformers also pads after the end token
+    with ``pad_token_id`` and crops the sequences to the longest one. ``tests/test_generation.py`` checks both
+    cases of agreement on a random GPT-2 loaded into both.
     """
     _check_generate_args(model, idx, max_new_tokens, 1.0, None, None, True, use_cache, None)
     _check_beam_args(beam_width, length_penalty, end_id, model.config.vocab_size, return_scores)
