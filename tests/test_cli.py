@@ -253,6 +253,76 @@ def test_the_training_estimate_counts_adamw_state_and_a_batch_of_logits():
     assert parts["total"] == parts["parameters"] + parts["buffers"] + parts["activations"]
 
 
+# Issue 40: --layers 100000 never reached the size check (building 100,000 blocks, even on the meta device, ran for
+# minutes and left a .lock behind when killed); the others took seconds. Now every size is counted from the flags
+# before anything is built, read or created.
+ABSURD_SIZES = [
+    (["--layers", "100000"], "--layers 100000"),  # 4.4e10 parameters
+    (["--d-model", "1000000", "--heads", "4"], "--d-model 1000000"),  # 4.8e13 parameters
+    (["--context", "10000000"], "--context 10000000"),  # attention weights of 10^7 x 10^7
+    (["--batch-size", "100000000"], "--batch-size 100000000"),  # 10^10 tokens of logits per step
+]
+
+
+def _forbid(monkeypatch, target, name: str, what: str) -> None:
+    def forbidden(*args, **kwargs):
+        raise AssertionError(f"{what} before the size check refused the run")
+
+    monkeypatch.setattr(target, name, forbidden)
+
+
+@pytest.mark.parametrize("flags, named", ABSURD_SIZES)
+def test_absurd_sizes_are_refused_from_the_flags_before_anything_is_built_read_or_created(
+        tmp_path, capsys, monkeypatch, flags, named):
+    import time
+
+    from groundup import layers, runs
+    from groundup.footprint import device_memory
+
+    if device_memory() is None:
+        pytest.skip("this system does not report its memory")
+    for cls in (runs.GPT, runs.MaskedLM, runs.EncoderDecoder, layers.TransformerBlock, layers.DecoderBlock):
+        _forbid(monkeypatch, cls, "__init__", f"a {cls.__name__} was built")  # not even on the meta device
+    _forbid(monkeypatch, runs, "run_lock", "the run folder was created and locked")
+    _forbid(monkeypatch, runs, "load_corpus", "the corpus was read")
+    out = tmp_path / "R3"
+    started = time.perf_counter()
+    assert cli.main(["train", "--out", str(out), "--max-steps", "2", *flags]) == 1
+    seconds = time.perf_counter() - started  # about 0.01 s; not asserted (a loaded machine), the forbidden calls are
+    err = capsys.readouterr().err
+    assert err.startswith("error: training this model (at least ") and named in err, (seconds, err)
+    assert "GB of memory, more than this machine's" in err and "choose smaller values" in err, err
+    assert not out.exists(), "no folder, so no lock file"
+
+
+def test_a_size_refused_only_with_the_real_vocabulary_leaves_no_lock_and_builds_nothing(
+        tmp_path, small_text, capsys, monkeypatch):
+    # A memory between the estimate from the flags (the smallest vocabulary) and the estimate with the text's: the
+    # check inside the run folder's lock refuses it, and the lock file goes with the refusal.
+    from groundup import footprint, layers, runs
+    from groundup.models import GPTConfig
+
+    flags = ["--batch-size", "100000", "--context", "64", "--layers", "1", "--d-model", "32", "--heads", "2"]
+    vocab = len(set(small_text.read_text(encoding="utf-8")))
+    needs = {}
+    for v in (1, vocab):
+        config = GPTConfig(vocab_size=v, context_length=64, d_model=32, n_layers=1, n_heads=2, positional="rope")
+        attention = 4 * 100000 * 2 * 64 ** 2
+        needs[v] = footprint.config_training_bytes(config, 100000, 64)["total"] + attention
+    assert needs[1] < needs[vocab]
+    monkeypatch.setattr(footprint, "device_memory", lambda device=None: (needs[1] + needs[vocab]) // 2)
+    for cls in (runs.GPT, layers.TransformerBlock):
+        _forbid(monkeypatch, cls, "__init__", f"a {cls.__name__} was built")
+    for out, existed in ((tmp_path / "new", False), (tmp_path / "mine", True)):
+        if existed:
+            out.mkdir()
+        assert cli.main(["train", "--text", str(small_text), "--out", str(out), "--device", "cpu", *flags]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: training this model (") and "at least" not in err.split("needs")[0], err
+        assert "--batch-size 100000" in err, err
+        assert out.exists() == existed and (not existed or list(out.iterdir()) == []), "no .lock, nothing left"
+
+
 def test_text_files_that_are_empty_endless_or_not_text_get_clear_errors(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")

@@ -38,7 +38,7 @@ import torch
 
 from groundup import flags
 from groundup.data import CORPORA, load_corpus, train_val_split
-from groundup.footprint import check_fits, meta_model, training_bytes
+from groundup.footprint import check_fits, config_training_bytes, parameter_count
 from groundup.masking import BERT_RATE, masked_lm_batches
 from groundup.models import (
     ENCODER_DECODER_POSITIONALS,
@@ -122,7 +122,8 @@ class Task:
     recipe's; ``new(args, out)``: a new run; ``resume(args, out, model, ckpt)``: the run of a checkpoint whose model
     is one of ``models``; ``evaluate(run)``: what is measured after training, inside the run folder's lock (None if
     nothing); ``done(run, history, evaluated, minutes)``: the last line printed. ``help``: --task's help for it
-    (the default task, which has no --task, has none)."""
+    (the default task, which has no --task, has none). ``smallest_vocab``: the smallest ``vocab_size`` argument of
+    ``model_config`` its configuration accepts, for the size check made before any data is read."""
 
     name: str
     help: str | None
@@ -133,6 +134,7 @@ class Task:
     resume: Callable
     evaluate: Callable
     done: Callable
+    smallest_vocab: object = 1
 
 
 # --- the text task (the default: no --task): a GPT, or with --objective masked a MaskedLM, on a text -------------
@@ -215,7 +217,7 @@ def _new_text_run(args, out: Path) -> _Run:
     if masked:
         model_config = MaskedLMConfig(**dataclasses.asdict(model_config))
         masked_lm_batches(tokenizer.vocab_size, tokenizer.vocab_size + 1, rate=mask_rate)  # checks the rate
-    _check_training_size(args, cls, model_config, train_config)
+    _check_training_size(args, model_config, train_config)
     where = f"--text {args.text}" if args.text else f"--corpus {args.corpus}"
     try:
         train_data, val_data = train_val_split(torch.tensor(tokenizer.encode(text), dtype=torch.long), 0.1)
@@ -342,7 +344,7 @@ def _new_dates_run(args, out: Path) -> _Run:
     if model_config.context_length < longest:
         raise ValueError(f"--context {model_config.context_length} is too short for --task dates: its "
                          f"sources and decoder inputs have up to {longest} tokens")
-    _check_training_size(args, EncoderDecoder, model_config, train_config)
+    _check_training_size(args, model_config, train_config)
     torch.manual_seed(train_config.seed)
     model = EncoderDecoder(model_config)
     out.mkdir(parents=True, exist_ok=True)
@@ -395,7 +397,8 @@ TASKS = {
                  evaluate=_no_evaluation, done=_text_done),
     "dates": Task(name="dates", help=_DATES_HELP, models=(EncoderDecoder,), recipe={**DATES_MODEL, **DATES_TRAINING},
                   model_config=_dates_model_config, new=_new_dates_run, resume=_resume_dates_run,
-                  evaluate=_held_out_exact_match, done=_dates_done),
+                  evaluate=_held_out_exact_match, done=_dates_done,
+                  smallest_vocab=(1, 3)),  # the source holds pad_id 0, the target pad, start and end (0, 1, 2)
 }
 DEFAULT_TASK = "text"
 """The task of a run without --task."""
@@ -483,18 +486,21 @@ PROCESS_BYTES = 200 * 10**6
 230 MB resident on Linux), counted for each process of ``--nproc``."""
 
 
-def _check_training_size(args, cls, model_config, train_config) -> None:
-    """Refuse a model too large to train here before it is built (see groundup.footprint), naming the flags."""
-    shape = meta_model(cls, model_config)
-    needed = training_bytes(shape, train_config.batch_size, model_config.context_length)
+def _check_training_size(args, model_config, train_config, *, vocabulary_known: bool = True) -> None:
+    """Refuse a model too large to train here before it is built, naming the flags: its sizes are counted from the
+    configuration alone (groundup.footprint), so --layers 100000 is refused as fast as --layers 4 is accepted.
+    ``vocabulary_known=False``: the check from the flags before the data is read, with the smallest vocabulary the
+    task's model can have (:func:`_refuse_absurd_sizes`); its parameter count is then a lower one."""
+    needed = config_training_bytes(model_config, train_config.batch_size, model_config.context_length)
     nproc = getattr(args, "nproc", None) or 1
     device = torch.device(train_config.device) if train_config.device else default_device()
     cpu = device.type == "cpu"
     copies = nproc if cpu else 1  # every process holds a copy; on GPUs each its own GPU
     given = " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in _SIZE_FLAGS
                      if getattr(args, k, None) is not None)
-    n_params = sum(p.numel() for p in shape.parameters())
-    what = (f"training this model ({n_params:,} parameters{'; ' + given if given else ''}"
+    n_params = parameter_count(model_config)
+    what = (f"training this model ({'' if vocabulary_known else 'at least '}{n_params:,} parameters"
+            f"{'; ' + given if given else ''}"
             f"{f'; {nproc} processes' if copies > 1 else ''})")
     advice = "choose smaller values" if given else "choose a smaller --d-model, --layers, --context or --batch-size"
     if copies > 1:
@@ -507,13 +513,29 @@ def _check_training_size(args, cls, model_config, train_config) -> None:
     check_fits(per_process * copies, what, device=device, advice=advice)
 
 
+def _refuse_absurd_sizes(args) -> None:
+    """The size check of a new run from its flags alone, before its folder is created (locked) or any data is read:
+    --layers 100000 is refused at once, and leaves nothing behind. The vocabulary is not known yet, so the model's is
+    taken as small as the task's model allows (a lower estimate: what this refuses, the check with the real
+    vocabulary would refuse too). Settings the configurations refuse are left to the run's own preparation, which
+    reports them in its order."""
+    if args.resume:
+        return
+    task = _task_of_args(args)
+    try:
+        model_config, train_config = _configs_from_args(args, task.smallest_vocab)
+    except ValueError:
+        return
+    _check_training_size(args, model_config, train_config, vocabulary_known=False)
+
+
 def _continued(task: Task, args, out: Path, model, ckpt: dict, train_data, val_data, batches,
                held_out: tuple | None = None) -> _Run:
     """A resumed run of ``task``: the checkpoint's training settings with this session's --no-progress and
     --device, its size checked."""
     train_config = TrainConfig(**{**ckpt["train_config"], "resume": True, "out_dir": str(out),
                                   "progress": not args.no_progress, "device": args.device})
-    _check_training_size(args, type(model), model.config, train_config)
+    _check_training_size(args, model.config, train_config)
     return _Run(task, out, model, train_data, val_data, train_config, ckpt.get("extra", {}), batches,
                 announce=f"resuming {out} at step {ckpt['step']} of {train_config.max_steps}", held_out=held_out)
 
@@ -561,6 +583,11 @@ def train_command(args) -> int:
 
     distributed = _parallel_options(args)["distributed"]
     rank = rank_and_world()[0]
+    try:
+        _refuse_absurd_sizes(args)
+    except ValueError as err:
+        print(f"error: {describe_error(err)}", file=sys.stderr)
+        return 1
     created = not out.exists()
     try:
         with run_lock(out, distributed, rank):
