@@ -8,6 +8,7 @@ import os
 import sys
 
 from groundup.bench import format_rows
+from groundup.bench.cpu import describe_cpu
 
 # Each name is a submodule of groundup.bench with a run() -> list[Row], run in this order. A new section is one
 # more module and one more name here.
@@ -40,6 +41,12 @@ def load_line(when: str) -> str:
     return line
 
 
+def header() -> str:
+    """The top of the report: the CPU, its vector extensions and PyTorch's kernels (the ratios depend on them), then
+    the load at the start."""
+    return describe_cpu() + "\n" + load_line("start")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="groundup bench", description="Print the package's performance figures.")
     parser.add_argument("sections", nargs="*", help=f"sections to run (default: all of {', '.join(SECTIONS)}; "
@@ -48,7 +55,7 @@ def main(argv=None) -> int:
     unknown = [s for s in args.sections if s not in SECTIONS + OPTIONAL]
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS + OPTIONAL)}")
-    print(load_line("start"), end="\n\n", flush=True)
+    print(header(), end="\n\n", flush=True)
     if "quality" in args.sections:
         print(QUIET_NOTE, end="\n\n", flush=True)
     status = 0
