@@ -56,18 +56,15 @@ def add_entry(path: Path, key: str, entry, *, section: str | None = "runs", head
 
 
 def cpu_name_and_flags() -> tuple[str | None, list[str]]:
-    """The CPU's model name (None if unknown) and its flags, as /proc/cpuinfo gives them for the first CPU."""
-    name, flags = None, None
+    """The CPU's model name (None if unknown) and its flags, as /proc/cpuinfo gives them for the first CPU
+    (:func:`groundup.bench.cpu.parse_cpuinfo`; no flags where the file cannot be read)."""
+    from groundup.bench.cpu import CPUINFO, parse_cpuinfo
+
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name is None:
-                name = value.strip()
-            elif key.strip() == "flags" and flags is None:
-                flags = value.split()
+        name, flags = parse_cpuinfo(CPUINFO.read_text(errors="replace"))
     except OSError:
-        pass
-    return name, flags or []
+        return None, []
+    return name, sorted(flags or ())
 
 
 def machine() -> dict:
