@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import signal
+import time
 
 import pytest
 import torch
@@ -11,7 +12,15 @@ import torch.nn.functional as F
 from ctrl_c import ctrl_c_on_call
 
 import groundup.training as training
-from groundup.models import GPT, GPTConfig
+from groundup.footprint import parameter_count
+from groundup.models import (
+    GPT,
+    EncoderDecoder,
+    EncoderDecoderConfig,
+    GPTConfig,
+    MaskedLM,
+    MaskedLMConfig,
+)
 from groundup.training import (
     HISTORY_NAME,
     History,
@@ -227,6 +236,86 @@ def test_corrupt_checkpoints_give_clear_errors(tmp_path, damage, message):
     torch.save(ckpt, path)
     with pytest.raises(ValueError, match=message):
         load_checkpoint(path)
+
+
+def _never_build_a_block(monkeypatch):
+    from groundup.layers import TransformerBlock
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a block was built from an unchecked configuration")
+
+    monkeypatch.setattr(TransformerBlock, "__init__", refuse)
+
+
+def test_a_checkpoint_claiming_100000_layers_is_refused_before_any_block_is_built(tmp_path, monkeypatch):
+    # building 100000 blocks, even on the meta device, would take about ten minutes (about 6 ms a block)
+    path = tmp_path / "deep.pt"
+    save_checkpoint(path, tiny_model(), step=3)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["model_config"]["n_layers"] = 100_000
+    torch.save(ckpt, path)
+    _never_build_a_block(monkeypatch)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="is inconsistent") as err:
+        load_checkpoint(path)
+    assert time.perf_counter() - start < 5
+    assert str(path) in str(err.value) and "100,000 blocks" in str(err.value), err.value
+
+
+def test_a_checkpoint_with_the_right_count_of_numbers_but_too_few_tensors_is_refused(tmp_path, monkeypatch):
+    # every number the configuration claims is there, in one tensor: the blocks' tensors are not
+    path = tmp_path / "flat.pt"
+    save_checkpoint(path, tiny_model(), step=3)
+    ckpt = torch.load(path, weights_only=True)
+    claimed = GPTConfig(**{**TINY, "n_layers": 20_000, "d_model": 2, "n_heads": 1, "d_ff": 1})
+    ckpt["model_config"] = dataclasses.asdict(claimed)
+    ckpt["model"] = {"token_embedding.weight": torch.zeros(parameter_count(claimed) + 12 * 2)}  # tied: twice
+    torch.save(ckpt, path)
+    _never_build_a_block(monkeypatch)
+    with pytest.raises(ValueError, match=r"is inconsistent.*at least 80,000 tensors.* in 1 tensors") as err:
+        load_checkpoint(path)
+    assert str(path) in str(err.value)
+
+
+def test_a_checkpoint_whose_configuration_would_not_fit_in_memory_is_refused_as_too_large(tmp_path, monkeypatch):
+    # ALiBi's table is a buffer (not stored): the numbers agree, the memory does not
+    monkeypatch.setattr("groundup.footprint.device_memory", lambda device=None: 1000)  # a 1 kB machine
+    path = tmp_path / "big.pt"
+    save_checkpoint(path, tiny_model(positional="alibi"), step=3)
+    _never_build_a_block(monkeypatch)
+    with pytest.raises(ValueError, match="too large for this machine") as err:
+        load_checkpoint(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("field, value", [("n_layers", "4"), ("n_layers", 2.5), ("d_model", -16),
+                                          ("vocab_size", True), ("n_heads", None)])
+def test_a_checkpoint_whose_configuration_has_a_wrong_type_is_refused_clearly(tmp_path, monkeypatch, field, value):
+    path = tmp_path / "typed.pt"
+    save_checkpoint(path, tiny_model(), step=3)
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["model_config"][field] = value
+    torch.save(ckpt, path)
+    _never_build_a_block(monkeypatch)
+    with pytest.raises(ValueError, match=f"invalid model configuration: {field} must be a positive integer") as err:
+        load_checkpoint(path)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tiny_model(tie_weights=False, positional="relative"),
+    lambda: MaskedLM(MaskedLMConfig(**TINY, mask_token_id=11, positional="relative")),
+    lambda: EncoderDecoder(EncoderDecoderConfig(src_vocab_size=9, tgt_vocab_size=7, context_length=8, d_model=8,
+                                                n_heads=2, n_decoder_layers=3, positional="learned")),
+    lambda: EncoderDecoder(EncoderDecoderConfig(src_vocab_size=9, tgt_vocab_size=7, context_length=8, d_model=8,
+                                                n_heads=2, tie_weights=False)),
+])
+def test_genuine_checkpoints_of_every_model_class_pass_the_size_checks(tmp_path, make):
+    model = make()
+    save_checkpoint(tmp_path / "c.pt", model)
+    loaded, _ = load_checkpoint(tmp_path / "c.pt")
+    assert type(loaded) is type(model)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
 
 
 def test_truncated_and_missing_checkpoints(tmp_path):

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from groundup.data import get_batch
-from groundup.footprint import check_fits, check_state_dict, meta_model, model_bytes
+from groundup.footprint import check_fits, check_state_dict, config_model_bytes, meta_model, parameter_count
 from groundup.lora import load_lora, lora_layers, lora_state_dict
 from groundup.models import GPT, EncoderDecoder, EncoderDecoderConfig, GPTConfig, MaskedLM, MaskedLMConfig
 from groundup.utils import atomic_write_bytes, default_device, threads
@@ -495,6 +495,29 @@ def read_checkpoint(path) -> dict:
     return ckpt
 
 
+def _check_stored_sizes(path: Path, config, state_dict: dict) -> None:
+    """Refuse a stored model configuration that the stored tensors cannot be, counted without building anything.
+
+    The configuration (already validated by its dataclass) gives the number of stored numbers by arithmetic
+    (:func:`~groundup.footprint.parameter_count`, plus the tied embedding a second time: ``state_dict`` keeps it
+    under both names; buffers are not stored), and every block holds at least 4 tensors (W_q, W_k, W_v, W_o). The
+    tensors are already in memory (``weights_only=True``), so counting their numbers allocates nothing. A file
+    whose configuration claims ``n_layers=100000`` over a small state dict is refused here, before a single block
+    is built (even on the meta device a block costs milliseconds and a Python object per tensor).
+    """
+    tensors = [t for t in state_dict.values() if isinstance(t, torch.Tensor)]
+    stored = sum(t.numel() for t in tensors)
+    if hasattr(config, "n_layers"):
+        blocks, out_vocab = config.n_layers, config.vocab_size
+    else:  # an EncoderDecoderConfig
+        blocks, out_vocab = config.n_encoder_layers + config.n_decoder_layers, config.tgt_vocab_size
+    claimed = parameter_count(config) + (out_vocab * config.d_model if config.tie_weights else 0)
+    if claimed != stored or len(tensors) < 4 * blocks:
+        raise ValueError(f"{path} is inconsistent: the stored weights do not match the stored model configuration "
+                         f"(it describes {claimed:,} numbers in {blocks:,} blocks, at least {4 * blocks:,} tensors; "
+                         f"the file holds {stored:,} numbers in {len(tensors):,} tensors); nothing was built")
+
+
 def load_checkpoint(path, model: nn.Module | None = None, *, optimizer=None, scheduler=None,
                     device=None) -> tuple[nn.Module, dict]:
     """Read a checkpoint written by :func:`save_checkpoint`; return ``(model, checkpoint)``.
@@ -524,9 +547,10 @@ def load_checkpoint(path, model: nn.Module | None = None, *, optimizer=None, sch
             config = config_cls(**ckpt["model_config"])
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path} has an invalid model configuration: {err}") from None
-        shape = meta_model(cls, config)  # untrusted sizes: checked before anything is allocated (footprint)
-        check_state_dict(shape, ckpt["model"], path)
-        check_fits(model_bytes(shape), f"the model configuration in {path}")
+        _check_stored_sizes(path, config, ckpt["model"])  # untrusted sizes: by arithmetic, before building anything
+        check_fits(config_model_bytes(config), f"the model configuration in {path}",
+                   advice="the file describes a model too large for this machine; nothing was built")
+        check_state_dict(meta_model(cls, config), ckpt["model"], path)  # names and shapes, still no storage
         model = cls(config)
     elif dataclasses.asdict(model.config) != ckpt["model_config"]:
         raise ValueError(f"{path} was saved from a model with a different configuration: "
