@@ -734,23 +734,29 @@ def test_count_from_a_remembered_table_fails(capsys):
     assert not ok and "expected" in out, out
 
 
+def _count_from(name):
+    """A cheat for check_lora_parameter_count: build transformers' ``name`` model on the meta device and count the
+    adapters from its linear layers' shapes."""
+    def count(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
+        import transformers
+
+        kind = getattr(transformers, name)
+        config = kind.config_class(vocab_size=8, hidden_size=d_model, intermediate_size=d_ff,
+                                   num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                                   num_key_value_heads=n_kv_heads)
+        with torch.device("meta"):
+            model = kind(config)
+        names = {"W_q": "q_proj", "W_k": "k_proj", "W_v": "v_proj", "W_o": "o_proj", "W_gate": "gate_proj",
+                 "W_in": "up_proj", "W_out": "down_proj"}
+        return sum(r * (m.in_features + m.out_features) for n, m in model.named_modules()
+                   if n.split(".")[-1] in {names[t] for t in targets})
+    return count
+
+
 def test_count_with_transformers_llama_is_refused(capsys):
     pytest.importorskip("transformers")
 
-    def with_llama(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(vocab_size=8, hidden_size=d_model, intermediate_size=d_ff,
-                             num_hidden_layers=n_layers, num_attention_heads=n_heads,
-                             num_key_value_heads=n_kv_heads)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-        names = {"W_q": "q_proj", "W_k": "k_proj", "W_v": "v_proj", "W_o": "o_proj", "W_gate": "gate_proj",
-                 "W_in": "up_proj", "W_out": "down_proj"}
-        return sum(r * (m.in_features + m.out_features) for name, m in model.named_modules()
-                   if name.split(".")[-1] in {names[t] for t in targets})
-
-    ok, out = verdict(check_lora_parameter_count, with_llama, capsys)
+    ok, out = verdict(check_lora_parameter_count, _count_from("LlamaForCausalLM"), capsys)
     assert not ok and "transformers.Llama" in out, out
 
 
@@ -838,19 +844,7 @@ def test_count_from_any_transformers_model_is_refused(name, capsys):
     if not hasattr(transformers, name):
         pytest.skip(f"this transformers has no {name}")
 
-    def from_a_model(n_layers, d_model, n_heads, n_kv_heads, d_ff, r, targets):
-        kind = getattr(transformers, name)
-        config = kind.config_class(vocab_size=8, hidden_size=d_model, intermediate_size=d_ff,
-                                   num_hidden_layers=n_layers, num_attention_heads=n_heads,
-                                   num_key_value_heads=n_kv_heads)
-        with torch.device("meta"):
-            model = kind(config)
-        names = {"W_q": "q_proj", "W_k": "k_proj", "W_v": "v_proj", "W_o": "o_proj", "W_gate": "gate_proj",
-                 "W_in": "up_proj", "W_out": "down_proj"}
-        return sum(r * (m.in_features + m.out_features) for n, m in model.named_modules()
-                   if n.split(".")[-1] in {names[t] for t in targets})
-
-    ok, out = verdict(check_lora_parameter_count, from_a_model, capsys)
+    ok, out = verdict(check_lora_parameter_count, _count_from(name), capsys)
     out = " ".join(out.split())
     assert not ok and "torch.nn." in out and "write down each matrix's shape" in out, out
 
