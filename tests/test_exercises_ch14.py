@@ -441,7 +441,7 @@ def test_mean_ablation_checker_agrees_with_the_package():
     tokens, reference = ch14._permutation_repeats(8, 8, 16, g), ch14._permutation_repeats(12, 8, 16, g)
     means = interp.mean_head_outputs(model, reference, per_position=True)
     for layer, head in ((0, 2), (1, 3)):
-        z = ch14._head_slices(model, reference, layer)[..., head, :].mean(0)
+        z = ch14._record_run(model, reference)[2][layer][..., head, :].mean(0)
         ours = ch14._replaced_loss(model, tokens, layer, head, z)
         with interp.ablate_heads(model, [(layer, head)], mode="mean", means=means):
             package = in_context_loss(model, tokens)

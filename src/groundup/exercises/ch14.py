@@ -326,20 +326,6 @@ def _hooks_left(model: GPT) -> int:
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
 
-def _head_slices(model: GPT, ids: torch.Tensor, layer: int) -> torch.Tensor:
-    """Block ``layer``'s heads before ``W_o`` on ``ids``: ``(batch, seq, n_heads, d_head)``, read by a pre-hook of
-    the checker's own (not :func:`~groundup.interpretability.head_outputs`)."""
-    seen = {}
-    handle = model.blocks[layer].attention.W_o.register_forward_pre_hook(
-        lambda module, args: seen.__setitem__("z", args[0].detach().clone()))
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        handle.remove()
-    return seen["z"].unflatten(-1, (model.config.n_heads, -1))
-
-
 def _replaced_loss(model: GPT, tokens: torch.Tensor, layer: int, head: int, value: torch.Tensor) -> float:
     """The in-context loss with head ``head`` of block ``layer`` replaced by ``value`` (``(seq, d_head)`` or
     ``(d_head,)``) at every position of every sequence."""
@@ -378,8 +364,9 @@ def check_mean_ablation(fn: Callable) -> Verdict:
         for label, model, heads in cases:
             tokens, reference = _permutation_repeats(8, 8, 16, g), _permutation_repeats(12, 8, 16, g)
             n_heads, d_head = model.config.n_heads, model.config.d_model // model.config.n_heads
+            z_reference, z_tokens = _record_run(model, reference)[2], _record_run(model, tokens)[2]  # own hooks
             for layer, head in heads:
-                z_ref = _head_slices(model, reference, layer)[..., head, :]
+                z_ref = z_reference[layer][..., head, :]
                 expected = _replaced_loss(model, tokens, layer, head, z_ref.mean(0))
                 wrong = {
                     _replaced_loss(model, tokens, layer, head, torch.zeros(d_head)):
@@ -388,15 +375,13 @@ def check_mean_ablation(fn: Callable) -> Verdict:
                     _replaced_loss(model, tokens, layer, head, z_ref.mean((0, 1))):
                         "You averaged over the positions too: (14.8) takes the mean separately at each position i "
                         "(average over the batch dimension only, keeping one mean per position).",
-                    _replaced_loss(model, tokens, layer, head,
-                                   _head_slices(model, tokens, layer)[..., head, :].mean(0)):
+                    _replaced_loss(model, tokens, layer, head, z_tokens[layer][..., head, :].mean(0)):
                         "Those are the means of `tokens`, the batch you test on: take them from `reference`.",
                     in_context_loss(model, tokens):
                         "The loss did not change: does your pre-hook on blocks[layer].attention.W_o return the "
                         "modified input as a tuple?"}
                 other = (head + 1) % n_heads
-                z_other = _head_slices(model, reference, layer)[..., other, :]
-                wrong.setdefault(_replaced_loss(model, tokens, layer, other, z_other.mean(0)),
+                wrong.setdefault(_replaced_loss(model, tokens, layer, other, z_reference[layer][..., other, :].mean(0)),
                                  "That is another head's mean ablation: head h owns W_o's input columns "
                                  "h * d_head .. (h + 1) * d_head - 1.")
                 call = f"my_mean_ablated_loss(model, tokens, reference, {layer}, {head}) on {label}"
@@ -548,7 +533,7 @@ def check_k_composition_row(fn: Callable) -> Verdict:
                       "Your row matches on two random models, their norms folded in.")
 
 
-# ---- shared by 14.7-14.9: small random models that do something ------------------------------------------------
+# ---- shared by 14.2 and 14.7-14.9: small random models that do something, the checkers' own hooks -------------
 
 
 def _random_gpt(seed: int, norm: str) -> GPT:
