@@ -114,6 +114,97 @@ def test_clip_in_place_is_reported(capsys):
     assert not ok and "in place" in out, out
 
 
+# Library shortcuts: each one gives the right numbers (checked against the reference solution outside the checker),
+# so only the refusal fails it.
+
+from torch.nn.utils import clip_grad_norm_ as _aliased_clip  # noqa: E402 -- an alias taken before the check
+
+
+def _as_parameters(grads):
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    return params
+
+
+def clip_by_alias(grads, max_norm):
+    params = _as_parameters(grads)
+    total = _aliased_clip(params, max_norm)
+    return [p.grad for p in params], total.item()
+
+
+def clip_by_parameters(grads, max_norm):
+    params = _as_parameters(grads)
+    total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return [p.grad for p in params], total.item()
+
+
+def clip_by_total_norm(grads, max_norm):
+    total = torch.nn.utils.get_total_norm(grads).item()
+    return [g * min(1.0, max_norm / (total + 1e-6)) for g in grads], total
+
+
+def clip_with_norm(grads, max_norm):
+    params = _as_parameters(grads)
+    total = torch.sqrt(sum((g**2).sum() for g in grads))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return [p.grad for p in params], total.item()
+
+
+def clip_deprecated(grads, max_norm):
+    params = _as_parameters(grads)
+    with pytest.warns(FutureWarning):
+        total = torch.nn.utils.clip_grad_norm(params, max_norm)
+    return [p.grad for p in params], total.item()
+
+
+def clip_by_the_books_training_code(grads, max_norm):
+    from groundup.training import _clip_gradients
+
+    model = torch.nn.ParameterList(_as_parameters(grads))
+    total = _clip_gradients(model, max_norm)
+    return [p.grad for p in model], total
+
+
+def clip_and_swallow_the_refusal(grads, max_norm):
+    try:
+        return clip_by_parameters(grads, max_norm)
+    except BaseException:  # noqa: BLE001 -- the dodge tested: the tripwire is caught, the arithmetic done by hand
+        return clip_solution(grads, max_norm)
+
+
+@pytest.mark.parametrize("shortcut, name", [
+    (clip_by_alias, "torch.nn.utils.clip_grad_norm_"),
+    (clip_by_parameters, "torch.nn.utils.clip_grad_norm_"),
+    (clip_by_total_norm, "torch.nn.utils.get_total_norm"),
+    (clip_with_norm, "torch.nn.utils.clip_grads_with_norm_"),
+    (clip_deprecated, "torch.nn.utils.clip_grad_norm"),
+    (clip_by_the_books_training_code, "groundup.training._clip_gradients"),
+    (clip_and_swallow_the_refusal, "torch.nn.utils.clip_grad_norm_"),
+])
+def test_clip_shortcuts_are_refused_by_name(shortcut, name, capsys):
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(4, 3, generator=g) * 2, torch.randn(5, generator=g)]
+    got, want = shortcut(grads, 1.0), clip_solution(grads, 1.0)
+    assert math.isclose(got[1], want[1], rel_tol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got[0], want[0]))  # the numbers are right
+
+    ok, out = verdict(check_clip_gradients, shortcut, capsys)
+    assert not ok and f"calls {name}\n" in out, out
+    assert "asks you to write the clipping arithmetic yourself" in out and f"{name} does it for you" in out, out
+    assert clip_by_parameters(grads, 1.0)[1] == pytest.approx(want[1])  # the tripwires are gone afterwards
+
+
+def test_clip_value_is_refused(capsys):
+    def by_value(grads, max_norm):
+        params = _as_parameters(grads)
+        torch.nn.utils.clip_grad_value_(params, max_norm)
+        return [p.grad for p in params], torch.sqrt(sum((g**2).sum() for g in grads)).item()
+
+    ok, out = verdict(check_clip_gradients, by_value, capsys)
+    assert not ok and "calls torch.nn.utils.clip_grad_value_" in out, out
+
+
 # --- 7.3 ---------------------------------------------------------------------------------------------------
 
 
@@ -148,6 +239,163 @@ def test_adamw_in_place_is_reported(capsys):
 def test_adamw_wrong_return_type(capsys):
     ok, out = verdict(check_adamw_step, lambda *a: None, capsys)
     assert not ok and "returned a NoneType" in out and "triple" in out
+
+
+# Library shortcuts for 7.3.
+
+from torch.optim import AdamW as _AliasedAdamW  # noqa: E402 -- an alias taken before the check
+
+
+def _stepped(opt, p, grad, m, v, t):
+    """``opt`` (over the one parameter ``p``) stepped from the state (m, v, t - 1) the reader was given."""
+    opt.state[p] = {"step": torch.tensor(float(t - 1)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    p.grad = grad.clone()
+    opt.step()
+    state = opt.state[p]
+    return p.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone()
+
+
+def adamw_by_injected_state(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+    p = torch.nn.Parameter(param.clone())
+    opt = _AliasedAdamW([p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+    return _stepped(opt, p, grad, m, v, t)
+
+
+def adam_with_manual_decay(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+    p = torch.nn.Parameter(param * (1 - lr * weight_decay))
+    opt = torch.optim.Adam([p], lr=lr, betas=(beta1, beta2), eps=eps)
+    return _stepped(opt, p, grad, m, v, t)
+
+
+def adamw_functional(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+    from torch.optim.adamw import adamw
+
+    p, m, v = param.clone(), m.clone(), v.clone()
+    adamw([p], [grad], [m], [v], [], [torch.tensor(float(t - 1))], amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+          weight_decay=weight_decay, eps=eps, maximize=False)
+    return p, m, v
+
+
+def adamw_functional_module(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+    import torch.optim._functional as functional
+
+    p, m, v = param.clone(), m.clone(), v.clone()
+    functional.adam([p], [grad], [m], [v], [], [torch.tensor(float(t - 1))], amsgrad=False, beta1=beta1,
+                    beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,
+                    decoupled_weight_decay=True)
+    return p, m, v
+
+
+def adamw_private_functional(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+    from torch.optim.adam import _single_tensor_adam
+
+    p, m, v = param.clone(), m.clone(), v.clone()
+    _single_tensor_adam([p], [grad], [m], [v], [], [torch.tensor(float(t - 1))], grad_scale=None, found_inf=None,
+                        amsgrad=False, has_complex=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay,
+                        eps=eps, maximize=False, capturable=False, differentiable=False,
+                        decoupled_weight_decay=True)
+    return p, m, v
+
+
+_fused = torch._fused_adamw_  # a builtin, aliased before the check
+
+
+def adamw_fused_kernel(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+    p, m, v = param.clone(), m.clone(), v.clone()
+    _fused([p], [grad], [m], [v], [], [torch.tensor(float(t))], lr=lr, beta1=beta1, beta2=beta2,
+           weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    return p, m, v
+
+
+_PREBUILT = {}
+
+
+def adamw_prebuilt(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+    """An optimizer built before the check (at the first call outside it), its parameter refilled and stepped."""
+    if "opt" not in _PREBUILT:
+        p = torch.nn.Parameter(torch.zeros_like(param))
+        _PREBUILT.update(p=p, opt=torch.optim.AdamW([p], lr=lr, betas=(beta1, beta2), eps=eps,
+                                                    weight_decay=weight_decay))
+    p, opt = _PREBUILT["p"], _PREBUILT["opt"]
+    p.data = param.clone()
+    return _stepped(opt, p, grad, m, v, t)
+
+
+def adamw_by_the_books_training_code(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+    from groundup.training import TrainConfig, _make_optimizer
+
+    model = torch.nn.ParameterList([torch.nn.Parameter(param.clone())])
+    config = TrainConfig(learning_rate=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    opt = _make_optimizer(model, config, torch.device("cpu"))
+    opt.param_groups[0]["eps"] = eps
+    return _stepped(opt, model[0], grad, m, v, t)
+
+
+def adamw_and_swallow_the_refusal(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+    try:
+        return adamw_by_injected_state(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay)
+    except BaseException:  # noqa: BLE001 -- the dodge tested: the tripwire is caught, the arithmetic done by hand
+        return adamw_solution(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay)
+
+
+@pytest.mark.parametrize("shortcut, name", [
+    (adamw_by_injected_state, "torch.optim.AdamW"),
+    (adam_with_manual_decay, "torch.optim.Adam"),
+    (adamw_functional, "torch.optim.adamw.adamw"),
+    (adamw_functional_module, "torch.optim.adam.adam"),
+    (adamw_private_functional, "torch.optim.adam._single_tensor_adam"),
+    (adamw_fused_kernel, "torch._fused_adamw_"),
+    (adamw_prebuilt, "torch.optim.AdamW.step"),
+    (adamw_by_the_books_training_code, "groundup.training._make_optimizer"),
+    (adamw_and_swallow_the_refusal, "torch.optim.AdamW"),
+])
+def test_adamw_shortcuts_are_refused_by_name(shortcut, name, capsys):
+    g = torch.Generator().manual_seed(5)
+    param, m, v = (torch.randn(3, 2, generator=g, dtype=torch.float64) for _ in range(3))
+    v, grad = v.abs(), torch.randn(3, 2, generator=g, dtype=torch.float64)
+    args = (param, grad, m, v, 2, 0.1, 0.9, 0.99, 1e-8, 0.1)
+    for got, want in zip(shortcut(*args), adamw_solution(*args)):
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)  # the numbers are right
+
+    ok, out = verdict(check_adamw_step, shortcut, capsys)
+    assert not ok and f"calls {name}\n" in out, out
+    assert "asks you to write the AdamW arithmetic yourself" in out and f"{name} does the update for you" in out, out
+    for got, want in zip(adamw_by_injected_state(*args), adamw_solution(*args)):  # the tripwires are gone afterwards
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "RMSprop", "NAdam", "Adagrad"])
+def test_every_torch_optimizer_is_refused(optimizer, capsys):
+    def other_optimizer(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+        p = torch.nn.Parameter(param.clone())
+        getattr(torch.optim, optimizer)([p], lr=lr).step()
+        return adamw_solution(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay)
+
+    ok, out = verdict(check_adamw_step, other_optimizer, capsys)
+    assert not ok and f"calls torch.optim.{optimizer}\n" in out, out
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda x: torch.nn.Parameter(x), "the new param is a Parameter, expected a plain torch.Tensor"),
+    (lambda x: x.float(), "the new param has dtype torch.float32, expected torch.float64"),
+    (lambda x: x.reshape(-1), "the new param has shape (24,), expected (6, 4)"),
+])
+def test_adamw_answers_must_be_plain_tensors_of_the_inputs_dtype_and_shape(change, message, capsys):
+    def changed(*args):
+        new, m, v = adamw_solution(*args)
+        return change(new), m, v
+
+    ok, out = verdict(check_adamw_step, changed, capsys)
+    assert not ok and message in out, out
+
+
+def test_adamw_returning_the_bias_corrected_moments_is_named(capsys):
+    def corrected(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay):
+        new, m, v = adamw_solution(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay)
+        return new, m / (1 - beta1**t), v
+
+    ok, out = verdict(check_adamw_step, corrected, capsys)
+    assert not ok and "step 1: the new m" in out and "not the bias-corrected" in out, out
 
 
 @pytest.fixture(autouse=True)

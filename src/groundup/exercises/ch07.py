@@ -2,17 +2,28 @@
 accumulation.
 
 Every checker computes the expected values before it calls the reader's function, hands the function copies of
-its inputs (and says so if the function changed them in place), and checks the type of what comes back.
+its inputs (and says so if the function changed them in place), and checks the type of what comes back. The
+checkers of 7.2 and 7.3 refuse an answer that hands the work to PyTorch (its clipping functions, any of its
+optimizers) or to the book's training code, however the function is reached.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
+import sys
+import types
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from groundup import training
+from groundup.exercises import sandbox
 from groundup.exercises.checking import (
+    Forbidden,
     Mismatch,
     Verdict,
     call_reader,
@@ -94,25 +105,202 @@ def check_lr_schedule(fn: Callable) -> Verdict:
                       "It matches groundup.training.lr_at on three schedules.")
 
 
+# ---- library shortcuts (Exercises 7.2 and 7.3) -------------------------------------------------------------
+#
+# Both exercises ask for arithmetic that PyTorch (and the book's training code) already does: an answer that
+# hands the gradients to clip_grad_norm_, or the tensors to an optimizer, passes the comparison without showing
+# anything. Such calls are caught while the reader's function runs, by the tripwires of ``call_reader(forbid=...)``:
+# the *code* of each plain Python function is swapped (so an alias taken before the check, `from torch.nn.utils
+# import clip_grad_norm_ as c`, is caught too), the optimizer classes' ``__init__`` and ``step`` are swapped on
+# the class (an optimizer built inside the function, or one built before and stepped), and a dispatch mode sees
+# the fused kernels however they are reached (``torch._fused_adamw_``, ``torch.ops.aten._fused_adamw_``, an
+# alias). The checker's own reference values are computed before, with none of this in place.
+
+
+class _Shortcuts(NamedTuple):
+    """What ``call_reader`` is to refuse (``forbid``), the name to show for each tripwire's label (``names``) and
+    the hint, with ``{name}`` for the function the reader called."""
+
+    forbid: tuple
+    names: dict[str, str]
+    hint: str
+
+
+def _code_of(fn) -> types.FunctionType | None:
+    """The plain function under ``fn``'s decorators (``functools.wraps`` chains: torch's ``_no_grad``, the
+    optimizers' ``_use_grad_for_differentiable`` and profiling hook), whose code does the work; None when it is a
+    closure or not a Python function (its code cannot be swapped)."""
+    try:
+        inner = inspect.unwrap(fn)
+    except ValueError:  # a cycle of __wrapped__
+        return None
+    return inner if isinstance(inner, types.FunctionType) and not inner.__code__.co_freevars else None
+
+
+def _collect(entries) -> tuple[tuple, dict[str, str]]:
+    """``forbid`` and ``names`` from ``entries`` (a plain function or a Forbidden, and the name to show); a
+    function met twice keeps its first name."""
+    forbid, names, seen = [], {}, set()
+    for item, shown in entries:
+        key = id(item) if not isinstance(item, Forbidden) else (id(item.owner), item.attribute)
+        if key in seen:
+            continue
+        seen.add(key)
+        forbid.append(item)
+        names.setdefault(item.label if isinstance(item, Forbidden) else sandbox._label(item), shown)
+    return tuple(forbid), names
+
+
+def _functions(*fns) -> list:
+    """(inner plain function, its own label) for each of ``fns`` that has one: the book's own code."""
+    return [(inner, sandbox._label(inner)) for inner in map(_code_of, fns) if inner is not None]
+
+
+_CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_norm", "clip_grads_with_norm_", "get_total_norm",
+                   "clip_grad_value_")
+_CLIP_HINT = ("Exercise 7.2 asks you to write the clipping arithmetic yourself, and {name} does it for you, so "
+              "the answer cannot use it. Add up g² over all the gradients, take the square root, and multiply every "
+              "gradient by min(1, max_norm / (total_norm + 1e-6)), with torch operations.")
+
+
+def _clip_shortcuts() -> _Shortcuts:
+    """PyTorch's clipping functions (those this torch has) and the book's training code that clips."""
+    entries = []
+    for name in _CLIP_FUNCTIONS:
+        fn = getattr(torch.nn.utils, name, None)
+        if fn is None:
+            continue
+        inner, shown = _code_of(fn), f"torch.nn.utils.{name}"
+        entries.append((inner, shown) if inner is not None else (Forbidden(torch.nn.utils, name, label=shown), shown))
+    entries += _functions(training._clip_gradients, training.train, training._split_step)
+    return _Shortcuts(*_collect(entries), _CLIP_HINT)
+
+
+_ADAMW_HINT = ("Exercise 7.3 asks you to write the AdamW arithmetic yourself, and {name} does the update for you, "
+               "so the answer cannot use it. Update m and v from the gradient, correct their bias, and compute the "
+               "new parameter with torch operations on the tensors you are given.")
+_FUSED_KERNEL = re.compile(r"_fused_(adam|adamw|sgd|adagrad)_?")
+
+
+def _optimizer_classes() -> list[type]:
+    """torch.optim.Optimizer and every subclass that torch or the book defines, parents before children."""
+    found, todo = [], [torch.optim.Optimizer]
+    while todo:
+        cls = todo.pop(0)
+        if cls not in found and cls.__module__.split(".")[0] in ("torch", "groundup"):
+            found.append(cls)
+            todo += cls.__subclasses__()
+    return found
+
+
+def _class_name(cls: type) -> str:
+    public = cls.__module__.startswith("torch.optim") and getattr(torch.optim, cls.__name__, None) is cls
+    return f"torch.optim.{cls.__name__}" if public else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _optimizer_shortcuts() -> _Shortcuts:
+    """Every optimizer of torch (and the book's MuonAdamW): building one, its ``step`` (on the class, and the code
+    under its decorators), the functional forms (``torch.optim._functional``, ``torch.optim.adamw.adamw``,
+    ``_single_tensor_adam``, ``_multi_tensor_adam``, ``_fused_adam`` ...), and the book's code that builds or steps
+    one. Computed when a check starts: PyTorch hooks ``step`` onto a class the first time it is built."""
+    entries = []
+    for cls in _optimizer_classes():
+        name = _class_name(cls)
+        if "__init__" in vars(cls) and cls is not torch.optim.Optimizer:
+            entries.append((Forbidden(cls, "__init__", label=name), name))
+        if "step" in vars(cls):
+            if cls is not torch.optim.Optimizer:
+                entries.append((Forbidden(cls, "step", label=f"{name}.step"), f"{name}.step"))
+            inner = _code_of(vars(cls)["step"])
+            if inner is not None:
+                entries.append((inner, f"{_class_name(_owner(inner, cls))}.step"))
+    functional = vars(sys.modules.get("torch.optim._functional") or types.ModuleType("none"))
+    public = {n for n, f in functional.items() if isinstance(f, types.FunctionType) and not n.startswith("_")}
+    for module_name, module in sorted(dict(sys.modules).items()):  # a copy: another thread may import
+        if module is None or not module_name.startswith("torch.optim."):
+            continue
+        for name, fn in sorted(vars(module).items()):
+            if isinstance(fn, types.FunctionType) and fn.__module__ == module_name and (
+                    name in public or name.startswith(("_single_tensor_", "_multi_tensor_", "_fused_"))):
+                inner = _code_of(fn)
+                if inner is not None:
+                    entries.append((inner, sandbox._label(inner)))
+    entries += _functions(training._make_optimizer, training._update, training.train, training._split_step)
+    return _Shortcuts(*_collect(entries), _ADAMW_HINT)
+
+
+def _owner(fn: types.FunctionType, cls: type) -> type:
+    """The class in ``cls``'s MRO that defines ``fn`` (AdamW's step is Adam's)."""
+    for klass in cls.__mro__:
+        if _code_of(vars(klass).get("step")) is fn:
+            return klass
+    return cls
+
+
+class _FusedKernelWatch(TorchDispatchMode):
+    """Sees every operator the reader's code runs, however it was reached, and refuses the optimizers' fused
+    kernels (``torch._fused_adamw_`` and its kin), which are builtins: no code to swap, and an alias of one taken
+    before the check is not an attribute the tripwires could replace."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if _FUSED_KERNEL.fullmatch(name):
+            sandbox._trip(f"torch.{name}")  # recorded even if the reader's code catches it
+        return func(*args, **(kwargs or {}))
+
+
+def _watched(fn: Callable) -> Callable:
+    """``fn`` run under :class:`_FusedKernelWatch` (a dispatch mode is per thread: entered in the reader's
+    worker)."""
+
+    def my_adamw_step(*args):
+        with _FusedKernelWatch():
+            return fn(*args)
+
+    return my_adamw_step
+
+
+def _call(fn: Callable, *args, call: str, names: tuple[str, ...], shortcuts: _Shortcuts):
+    """``call_reader(fn, *args)`` with ``shortcuts`` refused: a verdict that names the function called and says
+    that the exercise asks for the arithmetic."""
+    try:
+        return call_reader(fn, *args, call=call, names=names, forbid=shortcuts.forbid)
+    except Mismatch as refused:
+        prefix = f"{call} calls "
+        if not refused.what.startswith(prefix):
+            raise
+        label = refused.what[len(prefix):]
+        name = shortcuts.names.get(label, label)
+        raise Mismatch(prefix + name, shortcuts.hint.format(name=name)) from None
+
+
 # ---- Exercise 7.2 ------------------------------------------------------------------------------------------
 
 
+def _clip_cases() -> list[tuple[list[torch.Tensor], float, list[torch.Tensor], float]]:
+    """(gradients, max_norm, the clipped gradients, the total norm) by torch.nn.utils.clip_grad_norm_."""
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for grads, max_norm in [([torch.randn(4, 3, generator=g) * 2, torch.randn(5, generator=g)], 1.0),  # clipped
+                            ([torch.randn(4, 3, generator=g) * 0.01, torch.randn(5, generator=g) * 0.01], 1.0)]:
+        params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
+        for p, t in zip(params, grads):
+            p.grad = t.clone()
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        cases.append((grads, max_norm, [p.grad.detach().clone() for p in params], total))
+    return cases
+
+
 def check_clip_gradients(fn: Callable) -> Verdict:
-    """Exercise 7.2: ``fn(grads, max_norm) -> (clipped_grads, total_norm)`` as ``clip_grad_norm_`` does it."""
+    """Exercise 7.2: ``fn(grads, max_norm) -> (clipped_grads, total_norm)`` as ``clip_grad_norm_`` does it, without
+    calling it (or PyTorch's other clipping functions, or the book's training code)."""
 
     def checks():
-        g = torch.Generator().manual_seed(7)
-        cases = [([torch.randn(4, 3, generator=g) * 2, torch.randn(5, generator=g)], 1.0),  # norm about 8: clipped
-                 ([torch.randn(4, 3, generator=g) * 0.01, torch.randn(5, generator=g) * 0.01], 1.0)]  # left alone
-        for grads, max_norm in cases:
-            reference = [t.clone() for t in grads]
-            params = [torch.nn.Parameter(torch.zeros_like(t)) for t in reference]
-            for p, t in zip(params, reference):
-                p.grad = t.clone()
-            total = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-            expected = [p.grad for p in params]
+        cases = _clip_cases()  # every expected value first, before the reader's code runs
+        shortcuts = _clip_shortcuts()
+        for grads, max_norm, expected, total in cases:
             call = f"my_clip(grads, {max_norm}) with a gradient of total norm {total:.3g}"
-            out = call_reader(fn, grads, max_norm, call=call, names=("grads", "max_norm"))
+            out = _call(fn, grads, max_norm, call=call, names=("grads", "max_norm"), shortcuts=shortcuts)
             expect(isinstance(out, tuple) and len(out) == 2, f"{call} returned a {type(out).__name__}",
                    "Return a pair: (the list of clipped gradients, the total norm before clipping).")
             clipped, norm = out
@@ -124,10 +312,12 @@ def check_clip_gradients(fn: Callable) -> Verdict:
                          "The total norm is the norm of all gradients together: sqrt(Σ over tensors of Σ g²), "
                          "measured before clipping.", rtol=1e-5)
             hint = "Scale every gradient by the same factor min(1, max_norm / total_norm)."
-            per_tensor = [t * min(1.0, max_norm / (t.norm().item() + 1e-6)) for t in reference]
-            if total < max_norm and not all(torch.allclose(a, b) for a, b in zip(clipped, reference)):
+            per_tensor = [t * min(1.0, max_norm / (t.norm().item() + 1e-6)) for t in grads]
+            if total < max_norm and not all(a.shape == b.shape and torch.allclose(a.to(b.dtype), b)
+                                            for a, b in zip(clipped, grads)):
                 hint = "Below max_norm the gradients must stay as they are: the factor is min(1, ...), never above 1."
-            elif all(torch.allclose(a, b, atol=1e-6) for a, b in zip(clipped, per_tensor)):
+            elif all(a.shape == b.shape and torch.allclose(a.to(b.dtype), b, atol=1e-6)
+                     for a, b in zip(clipped, per_tensor)):
                 hint = "You clipped each tensor on its own; clip by the norm of all of them together (one factor)."
             for i, (a, b) in enumerate(zip(clipped, expected)):
                 expect_close(a, b, f"{call}: clipped[{i}]", hint, rtol=1e-5, atol=1e-7)
@@ -141,10 +331,8 @@ def check_clip_gradients(fn: Callable) -> Verdict:
 _ADAM = dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
 
 
-def check_adamw_step(fn: Callable) -> Verdict:
-    """Exercise 7.3: ``fn(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay) -> (param, m, v)``."""
-
-    # The expected values come first, outside the time bound (the first optimizer step imports a lot of PyTorch).
+def _adamw_reference() -> tuple[torch.Tensor, list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
+    """(the start, three gradients, (param, m, v) after each step of torch.optim.AdamW), in float64."""
     g = torch.Generator().manual_seed(3)
     start = torch.randn(6, 4, generator=g, dtype=torch.float64)
     grads = [torch.randn(6, 4, generator=g, dtype=torch.float64) for _ in range(3)]
@@ -156,38 +344,77 @@ def check_adamw_step(fn: Callable) -> Verdict:
     for grad in grads:
         p.grad = grad.clone()
         torch_opt.step()
-        expected.append(p.detach().clone())
+        state = torch_opt.state[p]
+        expected.append((p.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone()))
+    return start, grads, expected
+
+
+def _adamw_hint(param, grad, m, t: int, new_param: torch.Tensor) -> str:
+    """The hint for a wrong new parameter at step ``t`` (from ``param``, ``grad``, ``m``): a named mistake when the
+    answer is one of them."""
+    a = _ADAM
+    if t == 1:
+        grad_l2 = grad + a["weight_decay"] * param  # Adam with L2 in the gradient: the coupled version
+        m2 = a["beta1"] * m + (1 - a["beta1"]) * grad_l2
+        v2 = (1 - a["beta2"]) * grad_l2**2
+        coupled = param - a["lr"] * (m2 / (1 - a["beta1"])) / ((v2 / (1 - a["beta2"])).sqrt() + a["eps"])
+        if torch.allclose(new_param, coupled, atol=1e-9):
+            return ("That is Adam with L2 regularisation (λ param added to the gradient). AdamW decouples it: "
+                    "param ← param − lr (m̂ / (√v̂ + ε) + λ param), with m and v from g alone.")
+        no_correction = param * (1 - a["lr"] * a["weight_decay"]) - a["lr"] * (
+            (1 - a["beta1"]) * grad) / (((1 - a["beta2"]) * grad**2).sqrt() + a["eps"])
+        if torch.allclose(new_param, no_correction, atol=1e-9):
+            return "Divide m by (1 − β1ᵗ) and v by (1 − β2ᵗ) (the bias correction): both start at 0."
+    return ("m ← β1 m + (1 − β1) g; v ← β2 v + (1 − β2) g²; m̂ = m / (1 − β1ᵗ); v̂ = v / (1 − β2ᵗ); "
+            "param ← param − lr (m̂ / (√v̂ + ε) + λ param), with the decay on the old param.")
+
+
+def _expect_plain(x: torch.Tensor, like: torch.Tensor, what: str) -> None:
+    """``x`` is a plain torch.Tensor (no Parameter) of ``like``'s dtype and shape."""
+    expect(type(x) is torch.Tensor, f"{what} is a {type(x).__name__}, expected a plain torch.Tensor",
+           "Return plain tensors, the results of torch operations on the tensors you are given (no "
+           "torch.nn.Parameter).")
+    expect(x.dtype == like.dtype, f"{what} has dtype {x.dtype}, expected {like.dtype} like the inputs",
+           "Keep the inputs' dtype: no .float() or .to(...), and no tensor of another dtype in the arithmetic.")
+    expect(x.shape == like.shape, f"{what} has shape {tuple(x.shape)}, expected {tuple(like.shape)}",
+           "Every update is elementwise: the new param, m and v have the shape of param.")
+
+
+def check_adamw_step(fn: Callable) -> Verdict:
+    """Exercise 7.3: ``fn(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay) -> (param, m, v)``, without an
+    optimizer of torch (built, stepped or in its functional form) or the book's training code."""
+
+    # The expected values come first, outside the time bound (the first optimizer step imports a lot of PyTorch).
+    start, grads, expected = _adamw_reference()
+    a = _ADAM
 
     def checks():
+        shortcuts = _optimizer_shortcuts()
         param, m, v = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
         for t, grad in enumerate(grads, start=1):
             call = f"my_adamw_step(param, grad, m, v, t={t}, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)"
-            out = call_reader(fn, param, grad, m, v, t, a["lr"], a["beta1"], a["beta2"], a["eps"], a["weight_decay"],
-                              call=call, names=("param", "grad", "m", "v"))
+            out = _call(_watched(fn), param, grad, m, v, t, a["lr"], a["beta1"], a["beta2"], a["eps"],
+                        a["weight_decay"], call=call, names=("param", "grad", "m", "v"), shortcuts=shortcuts)
             expect(isinstance(out, tuple) and len(out) == 3, f"{call} returned a {type(out).__name__}",
                    "Return a triple (new param, new m, new v).")
-            new_param, new_m, new_v = (expect_tensor(x, f"{call}: element {i}") for i, x in enumerate(out))
-            hint = ("m ← β1 m + (1 − β1) g; v ← β2 v + (1 − β2) g²; m̂ = m / (1 − β1ᵗ); v̂ = v / (1 − β2ᵗ); "
-                    "param ← param − lr (m̂ / (√v̂ + ε) + λ param), with the decay on the old param.")
-            if new_param.shape == param.shape:
-                grad_l2 = grad + a["weight_decay"] * param  # Adam with L2 in the gradient: the coupled version
-                m2 = a["beta1"] * m + (1 - a["beta1"]) * grad_l2 if t == 1 else None
-                if m2 is not None:
-                    v2 = (1 - a["beta2"]) * grad_l2**2
-                    coupled = param - a["lr"] * (m2 / (1 - a["beta1"])) / ((v2 / (1 - a["beta2"])).sqrt() + a["eps"])
-                    if torch.allclose(new_param, coupled, atol=1e-9):
-                        hint = ("That is Adam with L2 regularisation (λ param added to the gradient). AdamW decouples "
-                                "it: param ← param − lr (m̂ / (√v̂ + ε) + λ param), with m and v from g alone.")
-                no_correction = param * (1 - a["lr"] * a["weight_decay"]) - a["lr"] * (
-                    (1 - a["beta1"]) * grad) / (((1 - a["beta2"]) * grad**2).sqrt() + a["eps"])
-                if t == 1 and torch.allclose(new_param, no_correction, atol=1e-9):
-                    hint = "Divide m by (1 − β1ᵗ) and v by (1 − β2ᵗ) (the bias correction): both start at 0."
-            expect_close(new_param, expected[t - 1], f"step {t}: the parameter after {call}", hint,
-                         rtol=1e-9, atol=1e-12)
+            new = [expect_tensor(x, f"{call}: element {i}") for i, x in enumerate(out)]
+            for x, name in zip(new, ("param", "m", "v")):
+                _expect_plain(x, start, f"{call}: the new {name}")
+            new_param, new_m, new_v = new
+            want_param, want_m, want_v = expected[t - 1]
+            expect_close(new_param, want_param, f"step {t}: the parameter after {call}",
+                         _adamw_hint(param, grad, m, t, new_param), rtol=1e-9, atol=1e-12)
+            for got, want, name, beta in ((new_m, want_m, "m", a["beta1"]), (new_v, want_v, "v", a["beta2"])):
+                hint = (f"Return the new {name} itself, β{1 if name == 'm' else 2} {name} + (1 − "
+                        f"β{1 if name == 'm' else 2}) {'g' if name == 'm' else 'g²'}.")
+                if torch.allclose(got, want / (1 - beta**t), rtol=1e-9, atol=1e-12):
+                    hint = (f"Return {name} itself, not the bias-corrected {name}̂ = {name} / (1 − β^t): the next "
+                            f"step starts from {name}.")
+                expect_close(got, want, f"step {t}: the new {name} returned by {call}", hint, rtol=1e-9, atol=1e-12)
             param, m, v = new_param, new_m, new_v
 
     return run_checks("Exercise 7.3 (one AdamW step)", checks,
-                      "Three steps match torch.optim.AdamW to float64 precision.")
+                      "Three steps match torch.optim.AdamW (parameter, m and v) to float64 precision.")
 
 
 # ---- Exercise 7.7 ------------------------------------------------------------------------------------------
