@@ -23,8 +23,12 @@ LENGTHS = (32, 64, 128)
 
 
 def kv_cache_bytes(config: GPTConfig, n_tokens: int, *, batch: int = 1, bytes_per_number: int = 4) -> int:
-    """Memory of a full KV cache: ``2 (K and V) · n_layers · n_heads · d_head · bytes_per_number`` per token."""
-    return 2 * config.n_layers * config.n_heads * config.d_head * bytes_per_number * n_tokens * batch
+    """Memory of a full KV cache: ``2 (K and V) · n_layers · n_kv_heads · d_head · bytes_per_number`` per token.
+
+    ``n_kv_heads`` is the number of key/value heads (grouped-query attention caches only those); ``n_heads`` where
+    the configuration leaves it None (multi-head attention)."""
+    n_kv_heads = config.n_heads if config.n_kv_heads is None else config.n_kv_heads
+    return 2 * config.n_layers * n_kv_heads * config.d_head * bytes_per_number * n_tokens * batch
 
 
 def generation_times(model: GPT, n_new: int, *, repeat: int = 3, warmup: int = 1) -> dict[bool, list[float]]:
