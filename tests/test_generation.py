@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from groundup.attention import KVCache
-from groundup.generation import TOP_P_TOLERANCE, beam_search, generate, top_k_filter, top_p_filter
-from groundup.models import GPT, POSITIONALS, GPTConfig
+from groundup.generation import TOP_P_TOLERANCE, beam_search, generate, generate_batch, top_k_filter, top_p_filter
+from groundup.models import GPT, POSITIONALS, GPTConfig, MaskedLM, MaskedLMConfig
 
 INF = float("-inf")
 SEEDS_PROBS = [0.1, 0.05, 0.03, 0.02]  # bananas, cherries, fruit, cake (the seeds' example)
@@ -484,6 +484,137 @@ def test_bench_versus_transformers_builds_the_same_gpt2_on_both_sides():
     assert [r.unit for r in rows] == ["s", "s", "x", "ms", "x", "ms", "x"]
 
 
+# ---- generate_batch: prompts of different lengths at once ----------------------------------------------------
+
+
+def varied_gpt(positional, context_length=8, seed=0):
+    """A small float64 GPT (64 tokens) whose weights are all N(0, 0.5²): peaked next-token distributions that
+    change with the position and the prompt (at the 0.02 initialisation greedy decoding repeats one token)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=64, context_length=context_length, d_model=32, n_layers=2, n_heads=2,
+                          positional=positional)).double()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.5, generator=g)
+    return model
+
+
+def one_at_a_time(model, prompts, n):
+    """Each prompt's new tokens from generate on that prompt alone (greedy)."""
+    return [generate(model, torch.tensor([p]), n, greedy=True)[0, len(p):].tolist() for p in prompts]
+
+
+def cut_after(rows, stop):
+    return [row[:row.index(stop) + 1] if stop in row else row for row in rows]
+
+
+BATCH_PROMPTS = [torch.randint(0, 11, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (1, 5, 17)]
+
+
+@pytest.mark.parametrize("context_length", [8, 24])
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("positional", POSITIONALS)
+def test_generate_batch_greedy_equals_one_prompt_at_a_time(positional, use_cache, context_length):
+    """Prompts of 1, 5 and 17 tokens, 12 new ones: with context 8 the padded batch (17 to 29 columns) runs cropped
+    windows from the start; with context 24 it uses the cache and crosses the context at step 8 (the 1- and
+    5-token prompts alone never do). The padding matters: the same padded batch without its mask (generate on
+    it, pads read as tokens) gives other tokens in some row."""
+    model = varied_gpt(positional, context_length)
+    expected = one_at_a_time(model, BATCH_PROMPTS, 12)
+    assert generate_batch(model, BATCH_PROMPTS, 12, greedy=True, use_cache=use_cache, pad_id=3) == expected
+    padded = torch.tensor([[3] * (17 - len(p)) + p for p in BATCH_PROMPTS])
+    assert generate(model, padded, 12, greedy=True)[:, 17:].tolist() != expected
+
+
+@pytest.mark.parametrize("context_length", [8, 24])
+@pytest.mark.parametrize("positional", POSITIONALS)
+def test_generate_batch_stops_each_row_after_its_first_stop_token(positional, context_length):
+    """The stop token is the earliest token greedy decoding emits in some row but not in every row: a row ends
+    with it, a row without it runs all 12 steps (past the context), and every row equals its one-at-a-time tokens
+    cut after the first stop; the pad id changes nothing. A batch whose every row has stopped runs no further
+    step."""
+    model = varied_gpt(positional, context_length)
+    expected = one_at_a_time(model, BATCH_PROMPTS, 12)
+    stop = min((row.index(t), t) for row in expected for t in row if any(t not in other for other in expected))[1]
+    want = cut_after(expected, stop)
+    first = next(r for r, row in enumerate(want) if row[-1] == stop and len(row) < 12)
+    assert any(len(row) == 12 and stop not in row for row in want)
+    for pad_id in (0, stop, 10):
+        assert generate_batch(model, BATCH_PROMPTS, 12, greedy=True, stop_id=stop, pad_id=pad_id) == want
+    assert generate_batch(model, BATCH_PROMPTS, 12, greedy=True, stop_id=stop, use_cache=False) == want
+    calls = []
+    handle = model.token_embedding.register_forward_hook(lambda *args: calls.append(1))
+    assert generate_batch(model, [BATCH_PROMPTS[first]], 12, greedy=True, stop_id=stop) == [want[first]]
+    handle.remove()
+    assert len(calls) == len(want[first]) < 12
+
+
+def test_generate_batch_takes_tensors_returns_lists_and_restores_the_training_flag():
+    model = varied_gpt("rope", context_length=24)
+    model.train()
+    got = generate_batch(model, [torch.tensor(p) for p in BATCH_PROMPTS], 5, greedy=True)
+    assert model.training
+    assert got == one_at_a_time(model, BATCH_PROMPTS, 5) and all(type(t) is int for row in got for t in row)
+    assert generate_batch(model, BATCH_PROMPTS, 0) == [[], [], []]
+
+
+def test_generate_batch_samples_a_single_prompt_as_generate_does():
+    model = varied_gpt("alibi", context_length=8)
+    prompt = BATCH_PROMPTS[1]
+    for kwargs in ({}, {"temperature": 1.5, "top_k": 6, "top_p": 0.9}):
+        got = generate_batch(model, [prompt], 14, generator=torch.Generator().manual_seed(4), **kwargs)
+        alone = generate(model, torch.tensor([prompt]), 14, generator=torch.Generator().manual_seed(4), **kwargs)
+        assert got == [alone[0, len(prompt):].tolist()]
+    a, b = (generate_batch(model, BATCH_PROMPTS, 10, generator=torch.Generator().manual_seed(5)) for _ in range(2))
+    assert a == b
+
+
+def test_generate_batch_samples_each_row_from_its_own_distribution():
+    """4000 rows, copies of a short and a long prompt, one token each: each prompt's frequencies follow its own
+    next-token probabilities (computed alone), which differ from the other's."""
+    model = varied_gpt("learned", context_length=24)
+    short, long = BATCH_PROMPTS[1], BATCH_PROMPTS[2]
+    got = torch.tensor(generate_batch(model, [short, long] * 2000, 1, generator=torch.Generator().manual_seed(6)))
+    with torch.no_grad():
+        probs = [torch.softmax(model(torch.tensor([p]))[0][0, -1], -1) for p in (short, long)]
+    for rows, p in ((got[0::2, 0], probs[0]), (got[1::2, 0], probs[1])):
+        freq = torch.bincount(rows, minlength=64).double() / len(rows)
+        assert (freq - p).abs().max() < 0.04  # 2000 draws: standard error at most 0.011
+    assert (probs[0] - probs[1]).abs().max() > 0.2
+
+
+@pytest.mark.parametrize("prompts, kwargs, error, match", [
+    ([], {}, ValueError, "prompts is empty"),
+    ([[1], []], {}, ValueError, r"prompts\[1\] is empty"),
+    ([[1, 11]], {}, ValueError, r"prompts\[0\] holds token id 11, outside the vocabulary.*\[0, 10\]"),
+    ([[3], [-1]], {}, ValueError, r"prompts\[1\] holds token id -1"),
+    (torch.tensor([[1, 2]]), {}, TypeError, "prompts must be a list .*use generate"),
+    ([[1.0]], {}, TypeError, r"prompts\[0\] must be a list of int token ids"),
+    ([torch.tensor([1.0])], {}, TypeError, r"prompts\[0\] must be a 1-D integer tensor"),
+    ([[1]], {"stop_id": 11}, ValueError, r"stop_id must be a token id in \[0, vocab_size - 1\] = \[0, 10\]"),
+    ([[1]], {"pad_id": -1}, ValueError, "pad_id must be a token id"),
+    ([[1]], {"pad_id": None}, ValueError, "pad_id must be a token id"),
+    ([[1]], {"temperature": 0}, ValueError, "temperature must be a finite number > 0"),
+    ([[1]], {"top_k": 0}, ValueError, "top_k must be an integer >= 1"),
+    ([[1]], {"top_p": 1.5}, ValueError, r"top_p must be a number in \(0, 1\]"),
+    ([[1]], {"greedy": 1}, TypeError, "greedy must be True or False"),
+])
+def test_generate_batch_rejects_bad_arguments(prompts, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        generate_batch(small_gpt(), prompts, 2, **kwargs)
+
+
+def test_generate_batch_rejects_bad_models_and_lengths():
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
+        generate_batch(small_gpt(), [[1]], -1)
+    with pytest.raises(TypeError, match="takes no attention_mask"):
+        generate_batch(FixedLogits([0.0, 1.0]), [[1]], 2)
+    with pytest.raises(TypeError, match="not a generator"):
+        generate_batch(MaskedLM(MaskedLMConfig(vocab_size=11, context_length=8, d_model=16, n_layers=1, n_heads=2)),
+                       [[1]], 2)
+
 # ---- beam_search ------------------------------------------------------------------------------------------
 
 
@@ -724,3 +855,31 @@ def test_beam_search_with_an_end_token_matches_transformers_where_the_two_must_a
                 if width > 1:
                     assert float(score[0]) / n ** penalty == pytest.approx(their_score, abs=1e-5)  # float32 sums
     assert reached >= 10  # most cases (13 of 18) end with the end token, reached by the winner alone after 2+ steps
+
+
+def test_generate_batch_matches_transformers_on_left_padded_prompts(gpt2_pair):
+    """transformers' generate(input_ids, attention_mask, do_sample=False) on the same left-padded batch of a random
+    GPT-2 (it derives the positions from the mask as cumsum - 1) gives the same new tokens, without an end token and
+    with one that some rows emit (transformers pads a finished row with pad_token_id)."""
+    ours, hf, _ = gpt2_pair
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, HF_VOCAB, (n,), generator=g).tolist() for n in (1, 5, 12, 3)]
+    width = max(map(len, prompts))
+    idx = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(idx)
+    for row, p in enumerate(prompts):
+        idx[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+
+    def theirs(end_id=None):
+        with torch.no_grad():
+            out = hf.generate(idx, attention_mask=mask, max_new_tokens=HF_NEW, do_sample=False, pad_token_id=0,
+                              eos_token_id=end_id)
+        return cut_after(out[:, width:].tolist(), end_id) if end_id is not None else out[:, width:].tolist()
+
+    plain = theirs()
+    assert generate_batch(ours, prompts, HF_NEW, greedy=True) == plain
+    assert plain == [generate(ours, torch.tensor([p]), HF_NEW, greedy=True)[0, len(p):].tolist() for p in prompts]
+    stop = next(t for t in plain[1][1:] if any(t not in row for row in plain))
+    stopped = theirs(stop)
+    assert generate_batch(ours, prompts, HF_NEW, greedy=True, stop_id=stop, pad_id=3) == stopped
+    assert stopped == cut_after(plain, stop) and any(len(row) < HF_NEW for row in stopped)

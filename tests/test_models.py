@@ -243,6 +243,125 @@ def test_cached_forward_equals_full_forward(positional):
         model(idx[:, :7], cache=cache)
 
 
+# ---- attention_mask: left-padded batches (chapter 8's batched generation) -----------------------------------
+
+
+def random_gpt(positional, cls=GPT, config_cls=GPTConfig, **kw):
+    """A float64 model whose every weight is N(0, 0.5²) (peaked, position-sensitive outputs; the relative bias too)."""
+    torch.manual_seed(0)
+    model = cls(config_cls(**{**SMALL, "positional": positional, **kw})).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def left_padded(prompts, pad_id=0):
+    width = max(map(len, prompts))
+    idx = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        idx[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+    return idx, mask
+
+
+PROMPTS = [[5], [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3]]
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+@pytest.mark.parametrize("positional", POSITIONALS)
+def test_padded_forward_gives_each_row_its_logits_alone(positional, use_cache):
+    """Left-padded rows with an attention mask: on the real positions the logits equal the row's own unpadded
+    forward (float64, 1e-10), in every positional family, in one pass or prefill + one token at a time with the
+    KV cache (the mask covering cached and new keys); the pads' logits are finite."""
+    model = random_gpt(positional)
+    idx, mask = left_padded(PROMPTS, pad_id=7)
+    with torch.no_grad():
+        if use_cache:
+            cache = model.new_cache()
+            parts = [model(idx[:, :6], cache=cache, attention_mask=mask[:, :6])[0]]
+            parts += [model(idx[:, t:t + 1], cache=cache, attention_mask=mask[:, :t + 1])[0]
+                      for t in range(6, idx.shape[1])]
+            logits = torch.cat(parts, dim=1)
+        else:
+            logits, _ = model(idx, attention_mask=mask)
+        assert torch.isfinite(logits).all()
+        for row, prompt in enumerate(PROMPTS):
+            alone, _ = model(torch.tensor([prompt]))
+            torch.testing.assert_close(logits[row, -len(prompt):], alone[0], rtol=0, atol=1e-10)
+            if len(prompt) > 1:  # the positions' logits differ from one another (no constant output)
+                assert not torch.allclose(logits[row, -len(prompt):], alone[0].roll(1, 0), atol=1e-3)
+
+
+@pytest.mark.parametrize("positional", ["learned", "rope", "alibi", "relative"])
+def test_without_the_mask_padding_would_change_the_rows(positional):
+    """The test above can fail: the same padded batch without attention_mask gives other logits for short rows."""
+    model = random_gpt(positional)
+    idx, mask = left_padded(PROMPTS)
+    with torch.no_grad():
+        masked, _ = model(idx, attention_mask=mask)
+        plain, _ = model(idx)
+        ones, _ = model(idx, attention_mask=torch.ones_like(mask, dtype=torch.bool))
+    assert (masked[1, -5:] - plain[1, -5:]).abs().max() > 0.1
+    torch.testing.assert_close(masked[2], plain[2], rtol=0, atol=1e-10)  # the longest row has no padding
+    torch.testing.assert_close(ones, plain, rtol=0, atol=1e-10)  # an all-ones mask changes nothing
+
+
+@pytest.mark.parametrize("positional", POSITIONALS)
+def test_padding_in_the_middle_is_skipped_by_positions_and_biases(positional):
+    """Positions count real tokens, and ALiBi's and the relative bias's distances are differences of positions
+    (not of columns): a row with pads between its tokens gives, at its real columns, the logits of the row
+    without them. (Left padding alone cannot tell the two distances apart.)"""
+    model = random_gpt(positional)
+    idx = torch.tensor([[3, 0, 0, 1, 4, 0, 1, 5], [0, 0, 9, 2, 6, 0, 0, 0]])
+    mask = torch.tensor([[1, 0, 0, 1, 1, 0, 1, 1], [0, 0, 1, 1, 1, 0, 0, 0]])
+    with torch.no_grad():
+        logits, _ = model(idx, attention_mask=mask)
+        for row in range(2):
+            alone, _ = model(idx[row][mask[row].bool()][None])
+            torch.testing.assert_close(logits[row][mask[row].bool()], alone[0], rtol=0, atol=1e-10)
+
+
+def test_a_row_of_padding_only_stays_finite_and_leaves_the_others_alone():
+    model = random_gpt("rope")
+    idx = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with torch.no_grad():
+        logits, _ = model(idx, attention_mask=torch.tensor([[0, 0, 0], [1, 1, 1]]))
+        alone, _ = model(idx[1:])
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits[1], alone[0], rtol=0, atol=1e-10)
+
+
+def test_masked_lm_takes_an_attention_mask_on_either_side():
+    from groundup.models import MaskedLM, MaskedLMConfig
+
+    model = random_gpt("relative", cls=MaskedLM, config_cls=MaskedLMConfig)
+    idx = torch.tensor([[3, 1, 4, 0, 0], [0, 2, 7, 1, 8]])
+    with torch.no_grad():
+        logits, _ = model(idx, attention_mask=torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]))
+        torch.testing.assert_close(logits[0, :3], model(idx[:1, :3])[0][0], rtol=0, atol=1e-10)
+        torch.testing.assert_close(logits[1, 1:], model(idx[1:, 1:])[0][0], rtol=0, atol=1e-10)
+
+
+def test_bad_attention_masks_name_the_argument_and_the_shape():
+    model = GPT(small())
+    idx = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"attention_mask must be a bool or 0/1 integer .*\(2, 5\).*list"):
+        model(idx, attention_mask=[[1] * 5] * 2)
+    with pytest.raises(TypeError, match="attention_mask.*torch.float32"):
+        model(idx, attention_mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(batch, cached \+ new tokens\) = "
+                                         r"\(2, 5\), got \(2, 4\)"):
+        model(idx, attention_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"attention_mask must hold 0 \(padding\) and 1 .*\[2\]"):
+        model(idx, attention_mask=torch.full((2, 5), 2))
+    cache = model.new_cache()
+    model(idx, cache=cache, attention_mask=torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"= \(2, 6\), got \(2, 1\)"):  # the cached keys need their mask too
+        model(idx[:, :1], cache=cache, attention_mask=torch.ones(2, 1, dtype=torch.bool))
+
+
 def test_gpt_matches_a_model_built_from_torch_builtins():
     # Pre-LN GPT with learned positions = nn.Embedding + nn.TransformerEncoderLayer(norm_first) stack
     # + nn.LayerNorm + tied linear read-out, with the same weights.

@@ -315,6 +315,25 @@ def test_rope_equals_the_written_formula_bit_for_bit(dtype, pairing):
         assert torch.equal(out, _rope_as_written(rope, inp, positions)) and out.is_contiguous()
 
 
+@pytest.mark.parametrize("pairing", ["interleaved", "half"])
+def test_rope_with_positions_per_example_rotates_each_row_at_its_own(pairing):
+    """Positions (batch, seq), for left-padded batches: row b equals the (seq,) rotation at positions[b], bit for
+    bit, for x (batch, heads, seq, d) and (batch, seq, d); a positions batch that does not match x is refused."""
+    rope = RotaryEmbedding(8, pairing=pairing)
+    x = torch.randn(3, 2, 5, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    pos = torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [7, 3, 9, 0, 1]])
+    got = rope.apply_rotary(x, pos)
+    for b in range(3):
+        assert torch.equal(got[b], RotaryEmbedding(8, pairing=pairing).apply_rotary(x[b], pos[b]))
+        assert torch.equal(rope.apply_rotary(x[:, 0], pos)[b], RotaryEmbedding(8, pairing=pairing)
+                           .apply_rotary(x[b, 0], pos[b]))
+    assert rope.angles(pos).shape == (3, 5, 4)
+    with pytest.raises(ValueError, match=r"\(batch, seq\) for x of shape \(batch, ..., seq, d_head\)"):
+        rope.apply_rotary(x, pos[:2])
+    with pytest.raises(ValueError, match=r"shape \(seq,\) or \(batch, seq\)"):
+        rope.angles(pos[None])
+
+
 def test_rope_rejects_bad_arguments():
     with pytest.raises(ValueError, match="d_head must be even"):
         RotaryEmbedding(7)

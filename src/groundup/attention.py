@@ -386,7 +386,8 @@ class MultiHeadAttention(nn.Module):
         ``attn_bias`` float, broadcastable to the same shape; a 3-D ``attn_bias`` is always per head,
         ``[n_heads, n_q, n_k]`` (relative position bias, ALiBi); a per-example bias must be 4-D
         ``(batch, 1, n_q, n_k)``. ``rotary`` a :class:`groundup.positional.RotaryEmbedding` applied to queries
-        and keys at ``positions`` (default ``arange(n_q)`` offset by ``len(cache)``); ``cache`` a
+        and keys at ``positions`` (default ``arange(n_q)`` offset by ``len(cache)``; ``(batch, n_q)`` gives each
+        example its own, as for left-padded prompts); ``cache`` a
         :class:`KVCache`: in self-attention the new keys/values are appended and the queries attend over every
         cached position (with several new queries, pass ``causal_mask(n_q, n_keys=len(cache) + n_q)``); in
         cross-attention the context's keys/values are computed on the first call and reused while the same
@@ -439,8 +440,9 @@ class MultiHeadAttention(nn.Module):
             if positions is None:
                 start = 0 if cache is None else len(cache)
                 positions = torch.arange(start, start + n_q, device=x.device)
-            if positions.shape != (n_q,):
-                raise ValueError(f"positions must have shape (n_q,) = ({n_q},), got {tuple(positions.shape)}")
+            if positions.shape not in ((n_q,), (batch, n_q)):
+                raise ValueError(f"positions must have shape (n_q,) = ({n_q},) or (batch, n_q) = ({batch}, {n_q}), "
+                                 f"got {tuple(positions.shape)}")
             q, k = rotary.apply_rotary(q, positions), rotary.apply_rotary(k, positions)
         if cache is not None:
             if cross_cached:

@@ -2,6 +2,8 @@
 
 * :func:`generate` -- the sampling loop: greedy (argmax) decoding or sampling with a temperature, top-k and
   top-p (nucleus) filtering, with or without a KV cache, for a batch of prompts;
+* :func:`generate_batch` -- prompts of different lengths at once: left padding, an attention mask and a stop
+  token per sequence;
 * :func:`beam_search` -- keep the ``beam_width`` most probable continuations instead of sampling one; its step
   (:func:`beam_step`) and final choice (:func:`best_beam`) are shared with chapter 10's encoder-decoder
   (:func:`groundup.seq2seq.beam_search`);
@@ -25,8 +27,8 @@ from torch import nn
 
 from groundup.attention import reusing_stacked_weights
 
-__all__ = ["generate", "beam_search", "beam_step", "best_beam", "sampling_logits", "top_k_filter", "top_p_filter",
-           "TOP_P_TOLERANCE"]
+__all__ = ["generate", "generate_batch", "beam_search", "beam_step", "best_beam", "sampling_logits", "top_k_filter",
+           "top_p_filter", "TOP_P_TOLERANCE"]
 
 TOP_P_TOLERANCE = 1e-6
 """Probability mass by which a cumulative sum may fall short of ``p`` and still count as reaching it.
@@ -230,6 +232,115 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temper
     finally:
         model.train(was_training)
     return out
+
+
+def _prompt_ids(prompts, vocab_size: int) -> list[list[int]]:
+    """``prompts`` as lists of ints, or a clear error naming the argument."""
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of prompts (lists of token ids or 1-D integer tensors), got "
+                        f"{type(prompts).__name__}" + ("; for a (batch, seq) tensor use generate"
+                                                       if isinstance(prompts, torch.Tensor) else ""))
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one prompt")
+    ids = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex \
+                    or prompt.dtype == torch.bool:
+                raise TypeError(f"prompts[{i}] must be a 1-D integer tensor, got dtype {prompt.dtype} of shape "
+                                f"{tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)) or not all(_is_int(t) for t in prompt):
+            raise TypeError(f"prompts[{i}] must be a list of int token ids or a 1-D integer tensor, got {prompt!r}")
+        if not prompt:
+            raise ValueError(f"prompts[{i}] is empty: give at least one token id per prompt, e.g. a start token")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{i}] holds token id {bad[0]}, outside the vocabulary: ids must be in "
+                             f"[0, vocab_size - 1] = [0, {vocab_size - 1}]")
+        ids.append(list(prompt))
+    return ids
+
+
+def generate_batch(model: nn.Module, prompts, max_new_tokens: int, *, stop_id: int | None = None, pad_id: int = 0,
+                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                   greedy: bool = False, use_cache: bool = True,
+                   generator: torch.Generator | None = None) -> list[list[int]]:
+    """Continue several prompts of different lengths at once; returns each prompt's new tokens, in order.
+
+    ``prompts`` is a list of non-empty lists of token ids (or 1-D integer tensors). They are padded on the left
+    with ``pad_id`` into one ``(batch, longest)`` tensor, and an attention mask (1 = a real token, 0 = padding)
+    tells the model which columns are real: each row then gets the positions and the attention it would get
+    alone (see :meth:`groundup.models.GPT.hidden_states`), and every step runs all rows in one forward pass.
+    Left, not right: each row's newest token is then in the last column, where the next token is read.
+
+    A row that produces ``stop_id`` stops: its list ends with that token and its later columns are padding
+    (mask 0). Generation ends after ``max_new_tokens`` steps or when every row has stopped. The KV cache is used
+    while the padded length fits the context; past it every step re-runs the last ``context_length`` columns
+    with their mask, so a row conditions on its last ``min(length, context_length)`` tokens, as in
+    :func:`generate`. Sampling options as in :func:`generate`; eval mode, no gradients.
+
+    **Batched versus one at a time.** Greedy output equals :func:`generate` on each prompt alone, truncated after
+    its first ``stop_id``, token for token up to floating-point rounding: the padded batch computes the same sums
+    in matrices of other shapes (and with an explicit mask), which can round differently in the last bits and,
+    in a near tie, flip an argmax (identical in the tests). Sampled output draws each row's token from the same
+    distribution as alone, but not with the same random numbers: one ``torch.multinomial`` per step over the
+    whole batch (stopped rows included), so a row's samples depend on the other rows; a ``generator`` makes the
+    whole run reproducible, and a single prompt draws what :func:`generate` draws with the same generator (up to
+    the same rounding).
+    """
+    config = getattr(model, "config", None)
+    if not isinstance(model, nn.Module) or not hasattr(config, "vocab_size"):
+        raise TypeError(f"model must be a groundup.models.GPT, got {type(model).__name__}")
+    ids = _prompt_ids(prompts, config.vocab_size)
+    ids_range = f"a token id in [0, vocab_size - 1] = [0, {config.vocab_size - 1}]"
+    if stop_id is not None and (not _is_int(stop_id) or not 0 <= stop_id < config.vocab_size):
+        raise ValueError(f"stop_id must be {ids_range} or None, got {stop_id!r}")
+    if not _is_int(pad_id) or not 0 <= pad_id < config.vocab_size:
+        raise ValueError(f"pad_id must be {ids_range}, got {pad_id!r}")
+    try:
+        takes_mask = "attention_mask" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes_mask = False
+    if not takes_mask:
+        raise TypeError(f"{type(model).__name__}.forward takes no attention_mask: generate_batch needs a model that "
+                        "masks padding (groundup.models.GPT); generate each prompt alone with generate")
+    device = next(model.parameters()).device
+    width, context_length = max(map(len, ids)), config.context_length
+    out = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(ids), width, dtype=torch.bool)
+    for row, prompt in enumerate(ids):  # left padding: every prompt ends in the last column
+        out[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = True
+    _check_generate_args(model, out, max_new_tokens, temperature, top_k, top_p, greedy, use_cache, generator)
+    out, mask = out.to(device), mask.to(device)
+    stopped = torch.zeros(len(ids), dtype=torch.bool, device=device)
+    last = {"last_only": True} if _takes_last_only(model) else {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), reusing_stacked_weights():
+            cache = model.new_cache() if use_cache else None
+            for _ in range(max_new_tokens):
+                if cache is not None and out.shape[1] <= context_length:
+                    logits, _ = model(out[:, len(cache[0]):], attention_mask=mask, cache=cache, **last)
+                else:  # no cache, or past the context: the last context_length columns and their mask
+                    logits, _ = model(out[:, -context_length:], attention_mask=mask[:, -context_length:], **last)
+                new = _next_token(logits[:, -1, :], temperature=temperature, top_k=top_k, top_p=top_p,
+                                  greedy=greedy, generator=generator)[:, 0].to(torch.long)
+                new = new.masked_fill(stopped, pad_id)  # a stopped row gets padding
+                out = torch.cat([out, new[:, None]], dim=1)
+                mask = torch.cat([mask, ~stopped[:, None]], dim=1)
+                if stop_id is not None:
+                    stopped = stopped | (new == stop_id)
+                    if bool(stopped.all()):
+                        break
+    finally:
+        model.train(was_training)
+    result = []
+    for row in out[:, width:].tolist():
+        result.append(row[:row.index(stop_id) + 1] if stop_id in row else row)
+    return result
 
 
 # ---- beam search -------------------------------------------------------------------------------------------

@@ -95,6 +95,24 @@ def _check_targets(targets, inputs: torch.Tensor, name: str) -> None:
                          f"got {tuple(targets.shape)}")
 
 
+def _check_attention_mask(attention_mask, batch: int, total: int) -> torch.Tensor:
+    """``attention_mask`` as a bool tensor, or a clear error unless it is bool or 0/1 integers of shape
+    ``(batch, total)``."""
+    expected = f"(batch, cached + new tokens) = ({batch}, {total})"
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype.is_floating_point \
+            or attention_mask.dtype.is_complex:
+        got = attention_mask.dtype if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise TypeError(f"attention_mask must be a bool or 0/1 integer torch.Tensor of shape {expected} (True/1 = "
+                        f"a real token, False/0 = padding), got {got}")
+    if tuple(attention_mask.shape) != (batch, total):
+        raise ValueError(f"attention_mask must have shape {expected}, got {tuple(attention_mask.shape)}")
+    if attention_mask.dtype != torch.bool:
+        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise ValueError("attention_mask must hold 0 (padding) and 1 (a real token) only, got values "
+                             f"{sorted(set(attention_mask.unique().tolist()) - {0, 1})[:5]}")
+        attention_mask = attention_mask.bool()
+    return attention_mask
+
 
 @dataclass
 class GPTConfig:
@@ -200,8 +218,8 @@ class GPT(nn.Module):
         return [KVCache() for _ in self.blocks]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                cache: list[KVCache] | None = None, last_only: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                cache: list[KVCache] | None = None, last_only: bool = False,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``(batch, seq, vocab_size)`` for token ids ``idx (batch, seq)``, and the loss.
 
         ``targets`` (same shape as ``idx``, usually ``idx`` shifted by one) gives ``loss``, the mean
@@ -213,6 +231,10 @@ class GPT(nn.Module):
         unembedding of every prompt position is most of a prefill's work (SmolLM2: 49,152 x 576 per row). The
         last row equals the full forward's last row up to rounding (a matrix-vector product instead of a
         matrix product may sum in another order). It cannot be combined with ``targets``.
+
+        ``attention_mask`` (bool or 0/1 integers, shape ``(batch, cached + new tokens)``, Hugging Face's
+        convention: True/1 a real token, False/0 padding) runs a batch of padded sequences: see
+        :meth:`hidden_states`. The logits at padded positions are meaningless (finite).
         """
         c = self.config
         if not isinstance(last_only, bool):
@@ -220,7 +242,7 @@ class GPT(nn.Module):
         if last_only and targets is not None:
             raise ValueError("last_only=True gives the last position's logits only; the loss needs every "
                              "position's: pass targets without last_only")
-        hidden = self.hidden_states(idx, cache=cache)
+        hidden = self.hidden_states(idx, cache=cache, attention_mask=attention_mask)
         if last_only:
             hidden = hidden[:, -1:, :]
         logits = self.unembedding(hidden)  # logits_i = U x_i^(n_L)
@@ -240,13 +262,21 @@ class GPT(nn.Module):
                                  "give at least one target in [0, vocab_size)")
         return logits, loss
 
-    def hidden_states(self, idx: torch.Tensor, *, cache: list[KVCache] | None = None) -> torch.Tensor:
+    def hidden_states(self, idx: torch.Tensor, *, cache: list[KVCache] | None = None,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states ``(batch, seq, d_model)`` for token ids ``idx (batch, seq)``.
 
         The vectors the unembedding reads, after the final norm (Pre-LN) or the last block's norm (Post-LN):
         ``forward``'s logits are ``unembedding(hidden_states(idx))``. A task head (chapter 13's
         :class:`~groundup.classification.ClassifierHead`) reads them instead of the logits. ``cache`` as in
         :meth:`forward`.
+
+        ``attention_mask (batch, cached + new tokens)``, True/1 for a real token and False/0 for padding, covers
+        the cached positions too. Each token's position is then the number of real tokens before it in its row
+        (pads count 0), no query attends to a padded key, and ALiBi's or the relative bias's distances are
+        differences of those positions: a left-padded sequence gets the positions, the attention and so the
+        outputs it would get alone (up to rounding), in every positional family. A pad's own output is
+        meaningless but finite (it attends to itself only, so no softmax row is empty).
         """
         c = self.config
         if not isinstance(idx, torch.Tensor):
@@ -262,7 +292,17 @@ class GPT(nn.Module):
         if total > c.context_length:
             what = f"{n} new tokens after {start} cached" if start else f"{n} tokens"
             raise ValueError(f"sequence length {total} ({what}) exceeds context_length {c.context_length}")
-        positions = torch.arange(start, total, device=idx.device)
+        mask = None
+        if attention_mask is None:
+            positions = torch.arange(start, total, device=idx.device)
+        else:
+            real = _check_attention_mask(attention_mask, idx.shape[0], total).to(idx.device)
+            key_positions = (real.long().cumsum(dim=1) - 1).clamp(min=0)  # (batch, total): real tokens before
+            positions = key_positions[:, start:]  # (batch, n): the new tokens' own
+            itself = torch.arange(total, device=idx.device) == torch.arange(start, total, device=idx.device)[:, None]
+            # (batch, 1, n, total): the real keys, and each query's own key, so that no softmax row is empty (a pad
+            # attending nothing gives nan in PyTorch < 2.5, which the pads' keys and values would carry to every row)
+            mask = real[:, None, None, :] | itself
 
         x = self.token_embedding(idx)  # x_i^(0) = F(W_E[Ind(i)], PosEmbed(i)) with F = addition
         if c.positional == "learned":
@@ -272,13 +312,15 @@ class GPT(nn.Module):
         x = self.dropout(x)
 
         attn_bias = None
-        if c.positional == "relative":
-            attn_bias = self.relative_bias(total)[:, start:, :]
-        elif c.positional == "alibi":
-            attn_bias = self.alibi[:, start:total, :total]
+        if c.positional in ("relative", "alibi"):
+            table = self.relative_bias(total) if c.positional == "relative" else self.alibi[:, :total, :total]
+            if mask is None:
+                attn_bias = table[:, start:, :]
+            else:  # entry [b, h, t, i] = table[h, position of query t, position of key i] in row b
+                attn_bias = table[:, positions[:, :, None], key_positions[:, None, :]].transpose(0, 1)
         rotary = self.rotary if c.positional == "rope" else None
         for layer, block in enumerate(self.blocks):
-            x = block(x, attn_bias=attn_bias, rotary=rotary, positions=positions, is_causal=self.causal,
+            x = block(x, mask=mask, attn_bias=attn_bias, rotary=rotary, positions=positions, is_causal=self.causal,
                       cache=None if cache is None else cache[layer])  # is_causal: causal_mask(n, n_keys=total)
         return self.final_norm(x)
 
@@ -326,16 +368,19 @@ class MaskedLM(GPT):
         raise TypeError("a MaskedLM has no KV cache: it is not a generator (every position sees the whole "
                         "sequence, so nothing can be computed once and kept)")
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, **kwargs):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                attention_mask: torch.Tensor | None = None, **kwargs):
         """Logits ``(batch, seq, vocab_size)`` for the token at every position of ``idx (batch, seq)``, and the loss.
 
         ``targets`` (same shape as ``idx``): the original token at the masked positions, -100 elsewhere; ``loss``
-        is the mean cross-entropy over the masked positions only (None without targets).
+        is the mean cross-entropy over the masked positions only (None without targets). ``attention_mask``
+        ``(batch, seq)`` (True/1 a real token, False/0 padding) as in :meth:`GPT.hidden_states`: no position
+        attends to padding, on either side.
         """
         if kwargs:
-            raise TypeError(f"MaskedLM.forward takes idx and targets only, got {', '.join(kwargs)} (a masked LM "
-                            "has no KV cache)")
-        return super().forward(idx, targets)
+            raise TypeError(f"MaskedLM.forward takes idx, targets and attention_mask only, got {', '.join(kwargs)} "
+                            "(a masked LM has no KV cache)")
+        return super().forward(idx, targets, attention_mask=attention_mask)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -292,26 +292,28 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", _frequencies(d_head, self.base), persistent=False)
 
     def angles(self, positions: Tensor) -> Tensor:
-        """The rotation angles ``t * theta_i``: ``[seq, d_head/2]`` in float64."""
+        """The rotation angles ``t * theta_i``: ``[seq, d_head/2]`` (or ``[batch, seq, d_head/2]`` for positions of
+        shape ``(batch, seq)``) in float64."""
         _check_positions(positions)
-        if positions.dim() != 1:
-            raise ValueError(f"positions must have shape (seq,), got {tuple(positions.shape)}")
+        if positions.dim() not in (1, 2):
+            raise ValueError(f"positions must have shape (seq,) or (batch, seq), got {tuple(positions.shape)}")
         t = positions.to(torch.float64)
         if self.position_scale != 1.0:
             t = t / self.position_scale
-        return t[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return t[..., None] * self.inv_freq.to(positions.device)
 
     def _rotation_factors(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The factors ``C`` and ``S`` of :meth:`apply_rotary` in ``dtype``, remembered for the last ``positions``.
 
         ``C`` holds ``cos(t theta_i)`` and ``S`` holds ``-sin(t theta_i)`` and ``+sin(t theta_i)`` in the two
         slots of pair ``i`` (``(2i, 2i+1)``, or ``(i, i + d_head/2)`` with ``pairing="half"``), each ``(seq,
-        d_head)``. A model's forward pass rotates the queries and keys of every layer at the same ``positions``
-        tensor (SmolLM2: 60 calls per generated token), so they are computed once per forward pass instead of
-        once per call. The memo is kept for that very ``positions`` tensor and ``inv_freq`` (held, so their ids
-        cannot be reused) as long as their in-place version counters, the dtype, ``position_scale`` and
-        ``pairing`` stay the same; any change recomputes. (Inference-mode tensors have no version counter: an
-        in-place edit of ``positions`` inside ``torch.inference_mode`` goes unnoticed.)
+        d_head)`` (``(batch, seq, d_head)`` for per-example positions). A model's forward pass rotates the queries
+        and keys of every layer at the same ``positions`` tensor (SmolLM2: 60 calls per generated token), so they
+        are computed once per forward pass instead of once per call. The memo is kept for that very ``positions``
+        tensor and ``inv_freq`` (held, so their ids cannot be reused) as long as their in-place version counters,
+        the dtype, ``position_scale`` and ``pairing`` stay the same; any change recomputes. (Inference-mode
+        tensors have no version counter: an in-place edit of ``positions`` inside ``torch.inference_mode`` goes
+        unnoticed.)
         """
         key = (version_counter(positions), version_counter(self.inv_freq), dtype, self.position_scale, self.pairing)
         memo = getattr(self, "_memo", None)
@@ -327,15 +329,25 @@ class RotaryEmbedding(nn.Module):
         return c, s
 
     def apply_rotary(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Rotate ``x`` of shape ``(..., seq, d_head)`` at integer ``positions`` of shape ``(seq,)``."""
+        """Rotate ``x`` of shape ``(..., seq, d_head)`` at integer ``positions`` of shape ``(seq,)``.
+
+        Positions of shape ``(batch, seq)`` give each example its own positions (left-padded prompts, chapter 8):
+        ``x`` must then be ``(batch, ..., seq, d_head)``, e.g. ``(batch, n_heads, seq, d_head)``.
+        """
         if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
             raise TypeError("x must be a floating-point torch.Tensor of shape (..., seq, d_head)")
         if x.dim() < 2 or x.shape[-1] != self.d_head:
             raise ValueError(f"x must have shape (..., seq, d_head={self.d_head}), got {tuple(x.shape)}")
+        if isinstance(positions, Tensor) and positions.dim() == 2 and (x.dim() < 3 or positions.shape[0] != x.shape[0]):
+            raise ValueError(f"positions must have shape (seq,), or (batch, seq) for x of shape (batch, ..., seq, "
+                             f"d_head); got positions {tuple(positions.shape)} for x {tuple(x.shape)}")
         c, s = self._rotation_factors(positions, x.dtype)
-        if c.shape[0] != x.shape[-2]:
+        if c.shape[-2] != x.shape[-2]:
             raise ValueError(f"positions must have one entry per sequence position: x has seq={x.shape[-2]}, "
-                             f"positions has {c.shape[0]}")
+                             f"positions has {c.shape[-2]}")
+        if c.dim() == 3:  # (batch, seq, d_head) -> (batch, 1, ..., seq, d_head)
+            c = c.view(c.shape[0], *[1] * (x.dim() - 3), *c.shape[1:])
+            s = s.view(c.shape)
         # The formula above for every pair at once: out = x * C + swapped(x) * S, where swapped(x) exchanges
         # the two coordinates of each pair. Slot 2i gets x[2i] cos + x[2i+1] (-sin), slot 2i+1 gets
         # x[2i+1] cos + x[2i] sin: the same products and sums as written above, so the same bits, in four
