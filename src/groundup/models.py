@@ -256,8 +256,10 @@ class GPT(nn.Module):
                 raise ValueError(f"targets must lie in [0, {c.vocab_size - 1}] (vocab_size={c.vocab_size}) or be "
                                  f"-100 (ignored): {err}") from None
             # Every target ignored: the mean over no positions is 0/0 = nan. Checked only when the loss is nan
-            # and only on the CPU, where it costs nothing (on a GPU it would wait for the device every step).
-            if loss.device.type == "cpu" and torch.isnan(loss) and bool((targets == -100).all()):
+            # and only on the CPU, where it costs nothing (on a GPU it would wait for the device every step); not
+            # while torch.compile traces, where the test of a value would break the graph (the loss is then nan).
+            if loss.device.type == "cpu" and not torch.compiler.is_compiling() and torch.isnan(loss) \
+                    and bool((targets == -100).all()):
                 raise ValueError("every target is -100 (ignored): the mean loss over no positions is undefined; "
                                  "give at least one target in [0, vocab_size)")
         return logits, loss

@@ -82,10 +82,18 @@ def sinusoidal_encoding(n_positions: int, d_model: int, *, base: float = 10000.0
 
 
 def _check_positions(positions, limit: int | None = None, limit_name: str = "") -> None:
+    """A clear error unless ``positions`` is an integer tensor of positions ``>= 0`` (and ``< limit``).
+
+    The range checks read values (``int(positions.min())``), which ``torch.compile`` cannot put in a graph: each
+    would break it in two. While compiling they are skipped; the type checks, which read no values, stay. Eager
+    calls check everything, as before.
+    """
     if not isinstance(positions, Tensor):
         raise TypeError(f"positions must be a torch.Tensor of integer positions, got {type(positions).__name__}")
     if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
         raise TypeError(f"positions must be an integer tensor (e.g. torch.long), got dtype {positions.dtype}")
+    if torch.compiler.is_compiling():
+        return
     if positions.numel() and int(positions.min()) < 0:
         raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
     if limit is not None and positions.numel() and int(positions.max()) >= limit:
@@ -313,20 +321,26 @@ class RotaryEmbedding(nn.Module):
         tensor and ``inv_freq`` (held, so their ids cannot be reused) as long as their in-place version counters,
         the dtype, ``position_scale`` and ``pairing`` stay the same; any change recomputes. (Inference-mode
         tensors have no version counter: an in-place edit of ``positions`` inside ``torch.inference_mode`` goes
-        unnoticed.)
+        unnoticed.) While ``torch.compile`` traces, there is no memo: its version counters and identity tests would
+        break the graph, and the compiler shares the factors between layers itself (common subexpressions).
         """
+        if torch.compiler.is_compiling():
+            return self._factors(positions, dtype)
         key = (version_counter(positions), version_counter(self.inv_freq), dtype, self.position_scale, self.pairing)
         memo = getattr(self, "_memo", None)
         if memo is not None and memo[0] is positions and memo[1] is self.inv_freq and memo[2] == key:
             return memo[3], memo[4]
+        c, s = self._factors(positions, dtype)
+        self._memo = (positions, self.inv_freq, key, c, s)
+        return c, s
+
+    def _factors(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``C`` and ``S`` of :meth:`_rotation_factors`, computed (no memo)."""
         angles = self.angles(positions)
         cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
         if self.pairing == "half":
-            c, s = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        else:
-            c, s = cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
-        self._memo = (positions, self.inv_freq, key, c, s)
-        return c, s
+            return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
 
     def apply_rotary(self, x: Tensor, positions: Tensor) -> Tensor:
         """Rotate ``x`` of shape ``(..., seq, d_head)`` at integer ``positions`` of shape ``(seq,)``.

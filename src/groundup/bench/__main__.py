@@ -12,8 +12,8 @@ from groundup.bench.cpu import describe_cpu
 
 # Each name is a submodule of groundup.bench with a run() -> list[Row], run in this order. A new section is one
 # more module and one more name here.
-SECTIONS = ["matmul", "training", "attention", "tokenizers", "gpt2_tokenizer", "generation", "versus_transformers",
-            "smollm2"]
+SECTIONS = ["matmul", "training", "throughput", "attention", "tokenizers", "gpt2_tokenizer", "generation",
+            "versus_transformers", "smollm2"]
 # Minutes-long runs, only when named (python -m groundup.bench quality, make bench-quality).
 OPTIONAL = ["quality"]
 QUIET_NOTE = ("[quality] measures time budgets (validation loss within 10 minutes of training), not ratios: its "

@@ -7,10 +7,18 @@ import torch
 from groundup.bench import Row, median_time
 
 
-def matmul_peak_gflops(n: int = 1024, repeat: int = 7) -> float:
-    """Median GFLOP/s of an ``n x n`` float32 matrix product (2 n^3 floating-point operations)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    seconds = median_time(lambda: a @ b, repeat=repeat, warmup=2)
+def matmul_peak_gflops(n: int = 1024, repeat: int = 7, device: str | torch.device = "cpu") -> float:
+    """Median GFLOP/s of an ``n x n`` float32 matrix product (2 n^3 floating-point operations) on ``device`` (each
+    product waited for, on a GPU)."""
+    device = torch.device(device)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def product():
+        a @ b
+        sync()
+
+    seconds = median_time(product, repeat=repeat, warmup=2)
     return 2 * n**3 / seconds / 1e9
 
 

@@ -12,7 +12,8 @@ the ratio the median of the per-round ratios, with its quartiles.
 Throughput is given in tokens per second and as a fraction of the machine's float32 matmul peak (measured in
 the same run), counting ``6 N`` FLOPs per token for the ``N`` parameters of the matrix products (the weights
 touched once forward and twice backward) plus ``12 n_L n_C d_M`` for the attention scores and their use
-(Kaplan et al. 2020; nanoGPT's ``estimate_mfu``).
+(Kaplan et al. 2020; nanoGPT's ``estimate_mfu``): :func:`groundup.bench.throughput.flops_per_token`, derived and
+checked against PyTorch's FLOP counter there.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from groundup.bench import Row, alternate, ratio_row
 from groundup.bench.matmul import matmul_peak_gflops
+from groundup.bench.throughput import flops_per_token
 from groundup.models import GPT, GPTConfig
 from groundup.runs import RECIPE_MODEL, RECIPE_TRAINING
 from groundup.training import MuonAdamW, param_groups
@@ -55,13 +57,6 @@ class TorchModulesGPT(nn.Module):
         x = self.blocks(x, mask=self.mask[:n, :n], is_causal=True)
         logits = self.head(self.final_norm(x))
         return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def flops_per_token(config: GPTConfig) -> float:
-    """``6 N + 12 n_L n_C d_M``: N counts the weights of the matrix products (not the embedding lookup)."""
-    n_matmul = sum(p.numel() for name, p in GPT(config).named_parameters()
-                   if p.dim() == 2 and "position" not in name)
-    return 6 * n_matmul + 12 * config.n_layers * config.context_length * config.d_model
 
 
 def _step_fn(model: nn.Module, batch: int, n_c: int, vocab: int, optimizer: str = "adamw"):
