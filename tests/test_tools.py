@@ -494,9 +494,14 @@ def test_chapter_figures_are_numbered_per_chapter_after_sphinx():
         "book/preface": {"figure": {"fig-a": (1,)}},
         "notebooks/01_language_models": {"figure": {"fig-ch01-x": (2,), "fig-ch01-y": (3,)}},
         "notebooks/12_pretrained": {"figure": {"fig-ch12-b": (40,), "fig-ch12-a": (41,)}, "table": {"t": (1,)}},
-        "notebooks/07_training": {},
+        "notebooks/07_training_further": {"figure": {"fig-ch07-c": (9,)}},
+        "notebooks/07_training": {"figure": {"fig-ch07-a": (7,), "fig-ch07-b": (8,)}},
     })
-    assert ext.renumber(None, env) == ["notebooks/01_language_models", "notebooks/12_pretrained"]
+    assert ext.renumber(None, env) == ["notebooks/01_language_models", "notebooks/07_training",
+                                       "notebooks/07_training_further", "notebooks/12_pretrained"]
+    # a chapter's second notebook goes on counting where its first (in name order) stopped
+    assert env.toc_fignumbers["notebooks/07_training"]["figure"] == {"fig-ch07-a": (7, 1), "fig-ch07-b": (7, 2)}
+    assert env.toc_fignumbers["notebooks/07_training_further"]["figure"] == {"fig-ch07-c": (7, 3)}
     assert env.toc_fignumbers["notebooks/12_pretrained"] == {"figure": {"fig-ch12-b": (12, 1), "fig-ch12-a": (12, 2)},
                                                               "table": {"t": (1,)}}
     assert env.toc_fignumbers["notebooks/01_language_models"]["figure"] == {"fig-ch01-x": (1, 1), "fig-ch01-y": (1, 2)}

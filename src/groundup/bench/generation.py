@@ -4,7 +4,7 @@ A GPT with context 256 (6 layers, d_model 384, 6 heads, vocabulary 65, learned p
 nanoGPT's Shakespeare-char model) generates 255 tokens greedily after a 1-token prompt, so the sequence fills
 the whole context. With the cache every step runs one new token through the model; without it every step
 re-runs the whole sequence so far. Both are timed alternately (median of a few runs); the target is a speed-up
-of at least 3x. The same comparison at 32, 64 and 128 new tokens shows how the gain grows with length.
+of at least 4x. The same comparison at 32, 64 and 128 new tokens shows how the gain grows with length.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def run() -> list[Row]:
     rows.append(Row(f"generate {NEW_TOKENS} tokens, greedy, KV cache ({shape})", t_cached, "s",
                     f"{NEW_TOKENS / t_cached:.0f} tokens/s"))
     rows.append(Row("  same, without the cache", t_uncached, "s", f"{NEW_TOKENS / t_uncached:.0f} tokens/s"))
-    rows.append(ratio_row("  speed-up of the KV cache", times[False], times[True], "the cached time", "target >= 3x"))
+    rows.append(ratio_row("  speed-up of the KV cache", times[False], times[True], "the cached time", "target >= 4x"))
     memory = kv_cache_bytes(config, 1 + NEW_TOKENS)
     rows.append(Row(f"  KV cache memory, float32, {1 + NEW_TOKENS} tokens", memory / 2**20, "MiB",
                     f"2 n_L n_H d_head x 4 bytes = {kv_cache_bytes(config, 1) / 1024:.0f} KiB per token"))
