@@ -528,6 +528,53 @@ def test_a_call_of_the_forbidden_package_function_is_refused_however_it_is_reach
     assert _package_square(torch.tensor(3.0)) == 9, "the function works again after the check"
 
 
+def _decorated(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):  # a closure: its own code cannot be swapped, the function under it can
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_decorated
+def _package_cube(x):
+    """Stands for a decorated package function in the shortcut tests."""
+    return x * x * x
+
+
+def test_call_refusing_names_the_shortcut_with_its_own_hint_and_unwraps_decorators(capsys):
+    module = sys.modules[__name__]
+    assert checking.function_code(_package_cube) is _package_cube.__wrapped__
+    assert checking.function_code(_package_cube.__wrapped__) is _package_cube.__wrapped__
+    assert checking.function_code(len) is None and checking.function_code(_decorated(len)) is None
+    own = dict((label, fn) for fn, label in checking.module_functions(module))
+    assert own["test_checking._package_square"] is _package_square
+    assert own["test_checking._package_cube"] is _package_cube.__wrapped__
+    assert not any(label.startswith("groundup.") for label in own), "imported functions are not this module's"
+    shortcuts = checking.collect_shortcuts(
+        [(_package_cube.__wrapped__, "the cube", "Multiply it out, not through {name}."),
+         (_package_square, "the square"), (_package_square, "the square again", "never used")],
+        "Do not call {name}.")
+    assert len(shortcuts.forbid) == 2
+    saved_cube, saved_inner = _package_cube, _package_cube.__wrapped__  # aliases taken before the check
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64)
+
+    def checks(fn):
+        return lambda: expect_close(checking.call_refusing(fn, x, call="cube(x)", names=("x",), shortcuts=shortcuts,
+                                                           crash_hint="Cube each entry."), x ** 3, "cube(x)")
+
+    for cheat, shown, hint in [(saved_cube, "the cube", "Multiply it out, not through the cube."),
+                               (lambda t: saved_inner(t), "the cube", "Multiply it out, not through the cube."),
+                               (lambda t: _package_square(t) * t, "the square", "Do not call the square.")]:
+        assert not run_checks("Exercise 0.31", checks(cheat))
+        out = capsys.readouterr().out
+        assert f"cube(x) calls {shown}\n   Hint: {hint}" in out, out
+    assert not run_checks("Exercise 0.31", checks(lambda t: t.cube()))
+    assert "Hint: Cube each entry." in capsys.readouterr().out, "a crash of the reader's function gets crash_hint"
+    assert run_checks("Exercise 0.31", checks(lambda t: t * t * t))
+    assert saved_cube(torch.tensor(2.0)) == 8 and _package_square(torch.tensor(3.0)) == 9, "they work again"
+
+
 def test_a_conditional_tripwire_refuses_only_the_calls_it_names(capsys):
     import torch.nn.functional as F
 

@@ -630,3 +630,135 @@ def test_the_kv_cache_cases_are_the_models_they_say():
     assert _kv_bytes(smollm2, 1, 1, 2) == 22.5 * 1024  # the success message's 22.5 KiB per token in bfloat16
     gpt2 = _kv_configs()[1][1]
     assert gpt2.n_kv_heads is None and _kv_bytes(gpt2, 1, 1, 2) == 36 * 1024  # GPT-2 small: 36 KiB per token in float16
+
+
+# --- shortcuts saved before the check: the checker's own references, transformers' processors -----------------
+# Each cheat below gives the right numbers (the ones that compute an answer passed the checkers before they swapped
+# the functions' code for tripwires); now each is refused by name, and everything works again afterwards.
+
+from groundup.exercises import ch08 as _ch08  # noqa: E402 -- with the section that uses it
+
+_saved_min_p = _ch08._reference_min_p  # aliases taken before any check
+_saved_kv_bytes = _ch08._kv_bytes
+
+
+def _min_p_caught(logits, min_p):  # calls the reference, catches the refusal, answers by itself
+    try:
+        _ch08._reference_min_p(logits, min_p)
+    except BaseException:  # noqa: BLE001,S110 -- the point of the test
+        pass
+    return min_p_filter(logits, min_p)
+
+
+def _repetition_by_the_mistakes_helper(logits, ids, theta):  # one row at a time, "across rows" is the right rule
+    return torch.cat([_ch08._repetition_wrong(logits[b:b + 1], ids[b:b + 1], theta)[0][0]
+                      for b in range(logits.shape[0])])
+
+
+REFERENCE_CHEATS = [
+    (check_min_p_filter, lambda logits, min_p: _ch08._reference_min_p(logits, min_p), "_reference_min_p"),
+    (check_min_p_filter, lambda logits, min_p: _saved_min_p(logits, min_p), "_reference_min_p"),
+    (check_min_p_filter, _min_p_caught, "_reference_min_p"),
+    (check_repetition_penalty, lambda logits, ids, theta: _ch08._reference_repetition_penalty(logits, ids, theta),
+     "_reference_repetition_penalty"),
+    (check_repetition_penalty, _repetition_by_the_mistakes_helper, "_repetition_wrong"),
+    (check_top_p_filter, lambda logits, p: _ch08._reference_top_p(logits, p), "_reference_top_p"),
+    (check_top_p_filter, lambda logits, p: logits.masked_fill(~_ch08._hugging_face_style(logits, p, 1e-6), INF),
+     "_hugging_face_style"),
+    (check_kv_cache_memory_gqa, lambda config, n, batch, b: _ch08._kv_bytes(config, n, batch, b), "_kv_bytes"),
+    (check_kv_cache_memory_gqa, lambda config, n, batch, b: _saved_kv_bytes(config, n, batch, b), "_kv_bytes"),
+]
+
+
+@pytest.mark.parametrize("checker, cheat, name", REFERENCE_CHEATS)
+def test_the_checkers_own_references_are_refused_however_they_are_reached(checker, cheat, name, capsys):
+    assert not checker(cheat)
+    out = capsys.readouterr().out
+    assert f"calls groundup.exercises.ch08.{name}" in out and "the checker's own code" in out, out
+
+
+def test_the_reference_cheats_give_the_right_numbers_and_the_references_work_again_afterwards(capsys):
+    for checker, cheat, _ in REFERENCE_CHEATS:
+        assert not checker(cheat)
+    capsys.readouterr()
+    seeds = torch.tensor([0.1, 0.05, 0.03, 0.02] + [0.01] * 80, dtype=torch.float64).log()
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0, -3.0, 1.5], [1.0, 1.0, -2.0, 0.3, 0.0, -0.5]], dtype=torch.float64)
+    ids = torch.tensor([[0, 1, 3, 0, 0], [2, 2, 5, 4, 1]])
+    config = _ch08._kv_configs()[0][1]
+    for checker, cheat, _ in REFERENCE_CHEATS:  # outside the checker, each cheat is a right answer
+        if checker is check_min_p_filter:
+            assert torch.equal(cheat(seeds, 0.25), min_p_filter(seeds, 0.25))
+        elif checker is check_repetition_penalty:
+            assert torch.equal(cheat(logits, ids, 2.0), repetition_penalty(logits, ids, 2.0))
+        elif checker is check_top_p_filter:
+            assert torch.equal(cheat(seeds, 0.18), top_p_filter(seeds, 0.18))
+        else:
+            assert cheat(config, 8192, 5, 4) == kv_cache_memory_gqa(config, 8192, 5, 4)
+    assert check_min_p_filter(min_p_filter) and check_top_p_filter(top_p_filter), "the checkers work again"
+    assert check_repetition_penalty(repetition_penalty) and check_kv_cache_memory_gqa(kv_cache_memory_gqa)
+
+
+def test_transformers_saved_before_the_check_is_refused(capsys):
+    from transformers import (
+        EncoderRepetitionPenaltyLogitsProcessor,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TopPLogitsWarper,
+    )
+
+    min_p_call = MinPLogitsWarper.__call__  # the class's method, saved before the check
+    min_p_warper = MinPLogitsWarper(0.1)  # an instance built before the check
+    penalty_call = RepetitionPenaltyLogitsProcessor.__call__
+    penalty = RepetitionPenaltyLogitsProcessor(2.0)
+    penalty_bound = penalty.__call__  # a bound method
+    encoder_call = EncoderRepetitionPenaltyLogitsProcessor.__call__
+    encoder = EncoderRepetitionPenaltyLogitsProcessor(penalty=0.5, encoder_input_ids=torch.tensor([[0]]))
+    top_p_warper = TopPLogitsWarper(0.5)
+
+    def min_p_by_the_saved_call(logits, min_p):
+        min_p_warper.min_p = min_p
+        return min_p_call(min_p_warper, None, logits)
+
+    def min_p_by_the_instance(logits, min_p):
+        min_p_warper.min_p = min_p
+        return min_p_warper(None, logits)
+
+    def penalty_by_the_saved_call(logits, ids, theta):
+        penalty.penalty = float(theta)
+        return penalty_call(penalty, ids, logits.clone())
+
+    def penalty_by_the_bound_method(logits, ids, theta):
+        penalty.penalty = float(theta)
+        return penalty_bound(ids, logits.clone())
+
+    def penalty_by_the_saved_encoder_call(logits, ids, theta):
+        encoder.penalty, encoder.encoder_input_ids = float(theta), ids  # __init__ stores 1 / penalty
+        return encoder_call(encoder, ids, logits.clone())
+
+    def top_p_by_the_instance(logits, p):
+        top_p_warper.top_p = p
+        return top_p_warper(None, logits)
+
+    seeds = torch.tensor([0.1, 0.05, 0.03, 0.02] + [0.01] * 80, dtype=torch.float64).log()
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0, -3.0, 1.5], [1.0, 1.0, -2.0, 0.3, 0.0, -0.5]], dtype=torch.float64)
+    ids = torch.tensor([[0, 1, 3, 0, 0], [2, 2, 5, 4, 1]])
+    cheats = [(check_min_p_filter, min_p_by_the_saved_call, "MinPLogitsWarper"),
+              (check_min_p_filter, min_p_by_the_instance, "MinPLogitsWarper"),
+              (check_repetition_penalty, penalty_by_the_saved_call, "RepetitionPenaltyLogitsProcessor"),
+              (check_repetition_penalty, penalty_by_the_bound_method, "RepetitionPenaltyLogitsProcessor"),
+              (check_repetition_penalty, penalty_by_the_saved_encoder_call, "EncoderRepetitionPenaltyLogitsProcessor"),
+              (check_top_p_filter, top_p_by_the_instance, "TopPLogitsWarper")]
+    for checker, cheat, name in cheats:
+        assert not checker(cheat)
+        out = capsys.readouterr().out
+        assert f"calls transformers.{name}" in out and "library's own implementation" in out, out
+    for checker, cheat, _ in cheats[:-1]:  # the right numbers outside the checker, and transformers works again
+        if checker is check_min_p_filter:
+            assert torch.equal(cheat(seeds, 0.25), min_p_filter(seeds, 0.25))
+        else:
+            assert torch.equal(cheat(logits, ids, 2.0), repetition_penalty(logits, ids, 2.0))
+    x = torch.tensor([[2.0, 1.0, -3.0]])
+    assert torch.isneginf(MinPLogitsWarper(0.5)(None, x)).sum() == 2
+    assert torch.isneginf(top_p_by_the_instance(x, 0.5)).sum() == 2
+    assert RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[0]]), x)[0, 0] == 1.0
+

@@ -9,13 +9,11 @@ optimizers) or to the book's training code, however the function is reached.
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 import sys
 import types
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,12 +23,17 @@ from groundup.exercises import sandbox
 from groundup.exercises.checking import (
     Forbidden,
     Mismatch,
+    Shortcuts,
     Verdict,
     call_reader,
+    call_refusing,
+    collect_shortcuts,
     expect,
     expect_close,
     expect_number,
     expect_tensor,
+    function_code,
+    package_functions,
     run_checks,
 )
 from groundup.models import GPT, GPTConfig
@@ -109,51 +112,13 @@ def check_lr_schedule(fn: Callable) -> Verdict:
 #
 # Both exercises ask for arithmetic that PyTorch (and the book's training code) already does: an answer that
 # hands the gradients to clip_grad_norm_, or the tensors to an optimizer, passes the comparison without showing
-# anything. Such calls are caught while the reader's function runs, by the tripwires of ``call_reader(forbid=...)``:
-# the *code* of each plain Python function is swapped (so an alias taken before the check, `from torch.nn.utils
-# import clip_grad_norm_ as c`, is caught too), the optimizer classes' ``__init__`` and ``step`` are swapped on
-# the class (an optimizer built inside the function, or one built before and stepped), and a dispatch mode sees
-# the fused kernels however they are reached (``torch._fused_adamw_``, ``torch.ops.aten._fused_adamw_``, an
-# alias). The checker's own reference values are computed before, with none of this in place.
-
-
-class _Shortcuts(NamedTuple):
-    """What ``call_reader`` is to refuse (``forbid``), the name to show for each tripwire's label (``names``) and
-    the hint, with ``{name}`` for the function the reader called."""
-
-    forbid: tuple
-    names: dict[str, str]
-    hint: str
-
-
-def _code_of(fn) -> types.FunctionType | None:
-    """The plain function under ``fn``'s decorators (``functools.wraps`` chains: torch's ``_no_grad``, the
-    optimizers' ``_use_grad_for_differentiable`` and profiling hook), whose code does the work; None when it is a
-    closure or not a Python function (its code cannot be swapped)."""
-    try:
-        inner = inspect.unwrap(fn)
-    except ValueError:  # a cycle of __wrapped__
-        return None
-    return inner if isinstance(inner, types.FunctionType) and not inner.__code__.co_freevars else None
-
-
-def _collect(entries) -> tuple[tuple, dict[str, str]]:
-    """``forbid`` and ``names`` from ``entries`` (a plain function or a Forbidden, and the name to show); a
-    function met twice keeps its first name."""
-    forbid, names, seen = [], {}, set()
-    for item, shown in entries:
-        key = id(item) if not isinstance(item, Forbidden) else (id(item.owner), item.attribute)
-        if key in seen:
-            continue
-        seen.add(key)
-        forbid.append(item)
-        names.setdefault(item.label if isinstance(item, Forbidden) else sandbox._label(item), shown)
-    return tuple(forbid), names
-
-
-def _functions(*fns) -> list:
-    """(inner plain function, its own label) for each of ``fns`` that has one: the book's own code."""
-    return [(inner, sandbox._label(inner)) for inner in map(_code_of, fns) if inner is not None]
+# anything. Such calls are caught while the reader's function runs, by the tripwires of ``call_refusing`` (in
+# groundup.exercises.checking): the *code* of each plain Python function is swapped (so an alias taken before the
+# check, `from torch.nn.utils import clip_grad_norm_ as c`, is caught too), the optimizer classes' ``__init__`` and
+# ``step`` are swapped on the class (an optimizer built inside the function, or one built before and stepped), and
+# a dispatch mode sees the fused kernels however they are reached (``torch._fused_adamw_``,
+# ``torch.ops.aten._fused_adamw_``, an alias). The checker's own reference values are computed before, with none of
+# this in place.
 
 
 _CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_norm", "clip_grads_with_norm_", "get_total_norm",
@@ -163,17 +128,17 @@ _CLIP_HINT = ("Exercise 7.2 asks you to write the clipping arithmetic yourself, 
               "gradient by min(1, max_norm / (total_norm + 1e-6)), with torch operations.")
 
 
-def _clip_shortcuts() -> _Shortcuts:
+def _clip_shortcuts() -> Shortcuts:
     """PyTorch's clipping functions (those this torch has) and the book's training code that clips."""
     entries = []
     for name in _CLIP_FUNCTIONS:
         fn = getattr(torch.nn.utils, name, None)
         if fn is None:
             continue
-        inner, shown = _code_of(fn), f"torch.nn.utils.{name}"
+        inner, shown = function_code(fn), f"torch.nn.utils.{name}"
         entries.append((inner, shown) if inner is not None else (Forbidden(torch.nn.utils, name, label=shown), shown))
-    entries += _functions(training._clip_gradients, training.train, training._split_step)
-    return _Shortcuts(*_collect(entries), _CLIP_HINT)
+    entries += package_functions(training._clip_gradients, training.train, training._split_step)
+    return collect_shortcuts(entries, _CLIP_HINT)
 
 
 _ADAMW_HINT = ("Exercise 7.3 asks you to write the AdamW arithmetic yourself, and {name} does the update for you, "
@@ -198,7 +163,7 @@ def _class_name(cls: type) -> str:
     return f"torch.optim.{cls.__name__}" if public else f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _optimizer_shortcuts() -> _Shortcuts:
+def _optimizer_shortcuts() -> Shortcuts:
     """Every optimizer of torch (and the book's MuonAdamW): building one, its ``step`` (on the class, and the code
     under its decorators), the functional forms (``torch.optim._functional``, ``torch.optim.adamw.adamw``,
     ``_single_tensor_adam``, ``_multi_tensor_adam``, ``_fused_adam`` ...), and the book's code that builds or steps
@@ -211,7 +176,7 @@ def _optimizer_shortcuts() -> _Shortcuts:
         if "step" in vars(cls):
             if cls is not torch.optim.Optimizer:
                 entries.append((Forbidden(cls, "step", label=f"{name}.step"), f"{name}.step"))
-            inner = _code_of(vars(cls)["step"])
+            inner = function_code(vars(cls)["step"])
             if inner is not None:
                 entries.append((inner, f"{_class_name(_owner(inner, cls))}.step"))
     functional = vars(sys.modules.get("torch.optim._functional") or types.ModuleType("none"))
@@ -222,17 +187,17 @@ def _optimizer_shortcuts() -> _Shortcuts:
         for name, fn in sorted(vars(module).items()):
             if isinstance(fn, types.FunctionType) and fn.__module__ == module_name and (
                     name in public or name.startswith(("_single_tensor_", "_multi_tensor_", "_fused_"))):
-                inner = _code_of(fn)
+                inner = function_code(fn)
                 if inner is not None:
                     entries.append((inner, sandbox._label(inner)))
-    entries += _functions(training._make_optimizer, training._update, training.train, training._split_step)
-    return _Shortcuts(*_collect(entries), _ADAMW_HINT)
+    entries += package_functions(training._make_optimizer, training._update, training.train, training._split_step)
+    return collect_shortcuts(entries, _ADAMW_HINT)
 
 
 def _owner(fn: types.FunctionType, cls: type) -> type:
     """The class in ``cls``'s MRO that defines ``fn`` (AdamW's step is Adam's)."""
     for klass in cls.__mro__:
-        if _code_of(vars(klass).get("step")) is fn:
+        if function_code(vars(klass).get("step")) is fn:
             return klass
     return cls
 
@@ -258,20 +223,6 @@ def _watched(fn: Callable) -> Callable:
             return fn(*args)
 
     return my_adamw_step
-
-
-def _call(fn: Callable, *args, call: str, names: tuple[str, ...], shortcuts: _Shortcuts):
-    """``call_reader(fn, *args)`` with ``shortcuts`` refused: a verdict that names the function called and says
-    that the exercise asks for the arithmetic."""
-    try:
-        return call_reader(fn, *args, call=call, names=names, forbid=shortcuts.forbid)
-    except Mismatch as refused:
-        prefix = f"{call} calls "
-        if not refused.what.startswith(prefix):
-            raise
-        label = refused.what[len(prefix):]
-        name = shortcuts.names.get(label, label)
-        raise Mismatch(prefix + name, shortcuts.hint.format(name=name)) from None
 
 
 # ---- Exercise 7.2 ------------------------------------------------------------------------------------------
@@ -300,7 +251,7 @@ def check_clip_gradients(fn: Callable) -> Verdict:
         shortcuts = _clip_shortcuts()
         for grads, max_norm, expected, total in cases:
             call = f"my_clip(grads, {max_norm}) with a gradient of total norm {total:.3g}"
-            out = _call(fn, grads, max_norm, call=call, names=("grads", "max_norm"), shortcuts=shortcuts)
+            out = call_refusing(fn, grads, max_norm, call=call, names=("grads", "max_norm"), shortcuts=shortcuts)
             expect(isinstance(out, tuple) and len(out) == 2, f"{call} returned a {type(out).__name__}",
                    "Return a pair: (the list of clipped gradients, the total norm before clipping).")
             clipped, norm = out
@@ -393,7 +344,7 @@ def check_adamw_step(fn: Callable) -> Verdict:
         param, m, v = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
         for t, grad in enumerate(grads, start=1):
             call = f"my_adamw_step(param, grad, m, v, t={t}, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)"
-            out = _call(_watched(fn), param, grad, m, v, t, a["lr"], a["beta1"], a["beta2"], a["eps"],
+            out = call_refusing(_watched(fn), param, grad, m, v, t, a["lr"], a["beta1"], a["beta2"], a["eps"],
                         a["weight_decay"], call=call, names=("param", "grad", "m", "v"), shortcuts=shortcuts)
             expect(isinstance(out, tuple) and len(out) == 3, f"{call} returned a {type(out).__name__}",
                    "Return a triple (new param, new m, new v).")

@@ -3,18 +3,22 @@ filtering) and 8.4 (the KV cache of a real model, with grouped-query attention).
 
 Every checker computes the expected values before it calls the reader's function, hands the function copies of
 its inputs (and says so if the function changed them in place), checks the type of what comes back, and
-compares at a tolerance that fits the dtype. Exercises 8.1, 8.2 and 8.4 refuse answers that call the book's own
-generation code (every function ``groundup.generation`` exports), the library's (transformers'
-``MinPLogitsWarper``, ``RepetitionPenaltyLogitsProcessor`` and ``EncoderRepetitionPenaltyLogitsProcessor``) or,
-for the cache, the benchmark's ``kv_cache_bytes`` and a model built to measure one; Exercise 8.3 refuses the
-package's ``top_k_filter`` and ``top_p_filter``.
+compares at a tolerance that fits the dtype. Every exercise refuses answers that call the book's own generation
+code (every function ``groundup.generation`` defines), the benchmark's ``kv_cache_bytes``, this module's own
+functions (the references that compute the expected values, and the helpers that compute the typical mistakes)
+or the library's implementation (transformers' ``MinPLogitsWarper`` for 8.1, ``RepetitionPenaltyLogitsProcessor``
+and ``EncoderRepetitionPenaltyLogitsProcessor`` for 8.2, ``TopPLogitsWarper`` for 8.3, building one or calling
+it); 8.4 also refuses building a model, block or attention layer to measure its cache. The functions' code is
+swapped for a tripwire while the reader's function runs (:func:`groundup.exercises.checking.call_refusing`), so a
+reference saved before the check (an alias, ``MinPLogitsWarper.__call__``, an instance built before) is caught
+too, and a refusal stands even if the reader's code catches the exception.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import types
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -26,13 +30,17 @@ from groundup.bench.generation import kv_cache_bytes
 from groundup.exercises.checking import (
     Forbidden,
     Mismatch,
-    ReaderError,
+    Shortcuts,
     Verdict,
-    call_reader,
+    call_refusing,
+    collect_shortcuts,
     expect,
     expect_close,
     expect_number,
     expect_tensor,
+    function_code,
+    module_functions,
+    package_functions,
     run_checks,
 )
 from groundup.layers import TransformerBlock
@@ -42,9 +50,6 @@ __all__ = ["check_min_p_filter", "check_repetition_penalty", "check_top_p_filter
 
 INF = float("-inf")
 _TOLERANCE = {torch.float64: dict(rtol=1e-9, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
-
-
-_PACKAGE = (generation.top_k_filter, generation.top_p_filter)  # the package's own solutions, refused by 8.3
 
 
 def _expect_same_dtype(got: torch.Tensor, dtype: torch.dtype, call: str) -> None:
@@ -84,51 +89,65 @@ def _expect_filtered(got: torch.Tensor, expected: torch.Tensor, call: str, hint:
 # ---- what the exercises refuse -----------------------------------------------------------------------------
 
 
-_BOOK_HINT = ("The exercise is to write it yourself with torch operations: groundup.generation is the book's own "
+_BOOK_HINT = ("The exercise is to compute it yourself with torch operations: groundup.generation is the book's own "
               "generation code, so an answer that calls it proves nothing.")
+_BENCH_HINT = ("The exercise is to compute it yourself from the config's fields: {name} is the book's own solution, so "
+               "an answer that calls it proves nothing.")
+_REFERENCE_HINT = ("The exercise is to compute it yourself: {name} is the checker's own code, "
+                   "which computes the expected answer (or a typical mistake), so an answer that calls it proves "
+                   "nothing.")
+_LIBRARY_HINT = ("The exercise is to write it yourself with torch operations: {name} is the library's own "
+                 "implementation, so an answer that calls it proves nothing.")
 
 
-def _book_generation() -> tuple:
-    """Every function ``groundup.generation`` exports, read when a check runs (so one added later is refused too):
-    each is caught however the reader's code reaches it (its code is swapped for a tripwire), and a
-    :class:`Forbidden` entry of the same label gives the verdict its hint."""
-    forbid = []
-    for name in generation.__all__:
-        fn = getattr(generation, name, None)
-        if isinstance(fn, types.FunctionType) and not fn.__code__.co_freevars:
-            forbid += [fn, Forbidden(generation, name, label=f"{fn.__module__}.{fn.__qualname__}", hint=_BOOK_HINT)]
-    return tuple(forbid)
+def _book_code() -> list:
+    """Entries for :func:`collect_shortcuts`: every function ``groundup.generation`` defines (under its decorators;
+    one added later too), the benchmark's ``kv_cache_bytes``, and every function of this module (the references
+    that compute the expected values, the helpers that compute the typical mistakes, the checkers), each with its
+    hint. Read when a check runs."""
+    own = sys.modules[__name__]
+    return ([(fn, label, _BOOK_HINT) for fn, label in module_functions(generation)]
+            + [(fn, "groundup.bench.generation.kv_cache_bytes", _BENCH_HINT)
+               for fn, _ in package_functions(kv_cache_bytes)]
+            + [(fn, label, _REFERENCE_HINT) for fn, label in module_functions(own)])
 
 
 @functools.cache
 def _library_processors(names: tuple[str, ...]) -> tuple:
-    """Building or calling transformers' logits processors ``names``, as :class:`Forbidden` entries; none where
-    transformers is missing or broken (then there is nothing of it to call). Imported here, before the reader's
-    function runs, so that a function importing transformers itself is caught too."""
+    """Entries for :func:`collect_shortcuts`: building or calling transformers' logits processors ``names`` (the
+    code of their ``__init__`` and ``__call__``: an instance built before the check, or a method saved from the
+    class, is caught too); none where transformers is missing or broken (then there is nothing of it to call).
+    Imported here, before the reader's function runs, so that a function importing transformers itself is caught
+    too."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from transformers.generation import logits_process
     except Exception:  # noqa: BLE001 -- any failure of the optional library means it cannot be called either
         return ()
-    forbid = []
+    entries = []
     for name in names:
         cls = getattr(logits_process, name, None)
-        hint = (f"The exercise is to write it yourself with torch operations: transformers' {name} is the "
-                "library's own implementation, so an answer that calls it proves nothing.")
+        shown = f"transformers.{name}"
         for attribute in ("__init__", "__call__"):
             if isinstance(cls, type) and attribute in vars(cls):
-                forbid.append(Forbidden(cls, attribute, label=f"transformers.{name}", hint=hint))
-    return tuple(forbid)
+                inner = function_code(vars(cls)[attribute])
+                if inner is None or not inner.__module__.startswith("transformers."):  # not the library's code
+                    inner = Forbidden(cls, attribute, label=shown)
+                entries.append((inner, shown, _LIBRARY_HINT))
+    return tuple(entries)
 
 
-def _call_with_hint(fn: Callable, call: str, args: tuple, names: tuple[str, ...], forbid: tuple, hint: str):
-    """``fn(*args)`` through :func:`call_reader` (copies, a time bound, ``forbid`` refused, an input changed in place
-    reported); a crash of the reader's function is reported with ``hint``."""
-    try:
-        return call_reader(fn, *args, call=call, names=names, forbid=forbid)
-    except ReaderError as err:
-        raise ReaderError(err.call, err.error, hint) from None
+def _shortcuts(library: tuple[str, ...], *more) -> Shortcuts:
+    """What an exercise refuses: the book's code (:func:`_book_code`), transformers' processors ``library`` and
+    the entries ``more``."""
+    return collect_shortcuts([*_book_code(), *_library_processors(library), *more], _REFERENCE_HINT)
+
+
+def _call_with_hint(fn: Callable, call: str, args: tuple, names: tuple[str, ...], shortcuts: Shortcuts, hint: str):
+    """``fn(*args)`` through :func:`call_refusing` (copies, a time bound, ``shortcuts`` refused, an input changed in
+    place reported); a crash of the reader's function is reported with ``hint``."""
+    return call_refusing(fn, *args, call=call, names=names, shortcuts=shortcuts, crash_hint=hint)
 
 
 # ---- Exercise 8.1 ------------------------------------------------------------------------------------------
@@ -203,6 +222,9 @@ def _min_p_hint(removed: torch.Tensor, x: torch.Tensor, min_p: float) -> str:
     return _MIN_P_HINT
 
 
+_MIN_P_LIBRARY = ("MinPLogitsWarper",)
+
+
 def check_min_p_filter(fn: Callable) -> Verdict:
     """Exercise 8.1 (min-p sampling; Nguyen et al., 2024): ``fn(logits, min_p)``, for logits of shape ``(..., V)``
     (float32 or float64) and ``0 < min_p <= 1``, returns a new tensor of the same shape and dtype in which the
@@ -213,15 +235,18 @@ def check_min_p_filter(fn: Callable) -> Verdict:
     probability equal to the threshold stays, and ``min_p = 1`` keeps the most probable token and every token tied
     with it. Logits that are ``-inf`` already stay ``-inf``. A ``min_p`` outside ``(0, 1]`` is not part of the
     exercise: no case has one, and the function may do what it likes with it. Refused: transformers'
-    ``MinPLogitsWarper`` and every function of ``groundup.generation``."""
+    ``MinPLogitsWarper``, every function of ``groundup.generation`` and this module's own functions (however they
+    are reached: an alias or an instance made before the check is caught too)."""
+
+    _library_processors(_MIN_P_LIBRARY)  # imports transformers outside the time bound
 
     def checks():
         cases = _min_p_cases()
-        expected = [_reference_min_p(x, min_p) for x, min_p, _ in cases]
-        forbid = _book_generation() + _library_processors(("MinPLogitsWarper",))
+        expected = [_reference_min_p(x, min_p) for x, min_p, _ in cases]  # before any tripwire is set
+        shortcuts = _shortcuts(_MIN_P_LIBRARY)
         for (x, min_p, what), want in zip(cases, expected):
             call = f"min_p_filter({what}, min_p={min_p:g})"
-            got = expect_tensor(_call_with_hint(fn, call, (x, min_p), ("logits", "min_p"), forbid, _MIN_P_HINT),
+            got = expect_tensor(_call_with_hint(fn, call, (x, min_p), ("logits", "min_p"), shortcuts, _MIN_P_HINT),
                                 call, "Return the filtered logits as a torch.Tensor.")
             hint = _MIN_P_HINT
             if got.shape == x.shape:
@@ -298,6 +323,9 @@ def _repetition_wrong(x: torch.Tensor, ids: torch.Tensor, theta: float) -> list[
             (x, "Nothing changed: the logits of the tokens that occur in ids must be penalised.")]
 
 
+_REPETITION_LIBRARY = ("RepetitionPenaltyLogitsProcessor", "EncoderRepetitionPenaltyLogitsProcessor")
+
+
 def check_repetition_penalty(fn: Callable) -> Verdict:
     """Exercise 8.2 (a repetition penalty; Keskar et al., 2019, CTRL): ``fn(logits, ids, theta)``, for the next
     token's logits of shape ``(batch, V)`` (float32 or float64), the tokens so far ``ids`` of shape ``(batch, seq)``
@@ -306,16 +334,18 @@ def check_repetition_penalty(fn: Callable) -> Verdict:
     it is negative (a logit of 0 stays 0), once however often the token occurs; every other logit is unchanged.
 
     That is transformers' ``RepetitionPenaltyLogitsProcessor(penalty=theta)``, which is refused, with
-    ``EncoderRepetitionPenaltyLogitsProcessor`` and every function of ``groundup.generation``."""
+    ``EncoderRepetitionPenaltyLogitsProcessor``, every function of ``groundup.generation`` and this module's own
+    functions (however they are reached)."""
+
+    _library_processors(_REPETITION_LIBRARY)  # imports transformers outside the time bound
 
     def checks():
         cases = _repetition_cases()
-        expected = [_reference_repetition_penalty(x, ids, theta) for x, ids, theta, _ in cases]
-        forbid = _book_generation() + _library_processors(("RepetitionPenaltyLogitsProcessor",
-                                                           "EncoderRepetitionPenaltyLogitsProcessor"))
+        expected = [_reference_repetition_penalty(x, ids, theta) for x, ids, theta, _ in cases]  # before any tripwire
+        shortcuts = _shortcuts(_REPETITION_LIBRARY)
         for (x, ids, theta, what), want in zip(cases, expected):
             call = f"repetition_penalty({what}, theta={theta:g})"
-            got = expect_tensor(_call_with_hint(fn, call, (x, ids, theta), ("logits", "ids", "theta"), forbid,
+            got = expect_tensor(_call_with_hint(fn, call, (x, ids, theta), ("logits", "ids", "theta"), shortcuts,
                                                 _REPETITION_HINT),
                                 call, "Return the penalised logits as a torch.Tensor.")
             hint = _REPETITION_HINT
@@ -337,9 +367,8 @@ def check_repetition_penalty(fn: Callable) -> Verdict:
 
 
 def _reference_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    from groundup.generation import top_p_filter
-
-    return top_p_filter(logits, p)
+    """The book's ``groundup.generation.top_p_filter`` (called before any tripwire is set)."""
+    return generation.top_p_filter(logits, p)
 
 
 def _hugging_face_style(x: torch.Tensor, p: float, tolerance: float) -> torch.Tensor:
@@ -386,11 +415,17 @@ def _top_p_hint(kept: torch.Tensor, want: torch.Tensor, x: torch.Tensor, p: floa
     return hint
 
 
+_TOP_P_LIBRARY = ("TopPLogitsWarper",)
+
+
 def check_top_p_filter(fn: Callable) -> Verdict:
     """Exercise 8.3 (top-p filter): ``fn(logits, p)`` keeps the smallest set of most probable tokens whose
     probability reaches p (within 1e-6: the seeds' example with p = 0.1800005 keeps bananas, cherries and fruit).
     Ascending-order answers in the style of Hugging Face's ``TopPLogitsWarper`` pass when they use the same
-    tolerance. Refused: the package's ``groundup.generation.top_k_filter`` and ``top_p_filter``."""
+    tolerance. Refused: transformers' ``TopPLogitsWarper``, every function of ``groundup.generation`` (its
+    ``top_k_filter`` and ``top_p_filter`` among them) and this module's own functions (however they are reached)."""
+
+    _library_processors(_TOP_P_LIBRARY)  # imports transformers outside the time bound
 
     def checks():
         probs = torch.tensor([0.1, 0.05, 0.03, 0.02] + [0.01] * 80, dtype=torch.float64)
@@ -404,13 +439,14 @@ def check_top_p_filter(fn: Callable) -> Verdict:
                  (seeds, 0.18 + 5e-7, "the seeds' example"),  # 0.18 is within 1e-6 of p: it reaches p
                  (rows, 0.5, "random logits of shape (4, 12)"), (rows, 0.9, "random logits of shape (4, 12)"),
                  (rows, 1e-3, "random logits of shape (4, 12)"), (rows.float(), 0.7, "float32 logits (4, 12)")]
-        expected = [_reference_top_p(x, p) for x, p, _ in cases]
+        expected = [_reference_top_p(x, p) for x, p, _ in cases]  # before any tripwire is set
+        shortcuts = _shortcuts(_TOP_P_LIBRARY)
 
         for (x, p, what), want in zip(cases, expected):
             call = f"top_p_filter({what}, p={p:.7g})"
             hint = ("Sort the probabilities (softmax) in descending order, keep each token while the probability "
                     "of the tokens ranked before it is still below p, and map the mask back to the original order.")
-            got = expect_tensor(_call_with_hint(fn, call, (x, p), ("logits", "p"), _PACKAGE, hint), call,
+            got = expect_tensor(_call_with_hint(fn, call, (x, p), ("logits", "p"), shortcuts, hint), call,
                                 "Return the filtered logits as a torch.Tensor.")
             if got.shape == x.shape:
                 hint = _top_p_hint(torch.isfinite(got), torch.isfinite(want), x, p, hint,
@@ -485,22 +521,20 @@ def check_kv_cache_memory_gqa(fn: Callable) -> Verdict:
     n_tokens * batch_size * bytes_per_number``, for a :class:`groundup.models.GPTConfig` ``config``
     (``config.n_kv_heads`` is None for ordinary multi-head attention, which means ``n_heads``; ``config.d_head``
     is ``d_model // n_heads``). An int, or a float within 0.5 of it. Refused: the benchmark's
-    ``groundup.bench.generation.kv_cache_bytes``, building a model, block or attention layer of the package, and
-    every function of ``groundup.generation``."""
+    ``groundup.bench.generation.kv_cache_bytes``, building a model, block or attention layer of the package,
+    every function of ``groundup.generation`` and this module's own functions (however they are reached)."""
 
     def checks():
         cases = _kv_configs()
-        expected = [_kv_bytes(config, n, batch, b) for _, config, n, batch, b in cases]
-        forbid = ((kv_cache_bytes,) + _book_generation()
-                  + (Forbidden(GPT, "__init__", label="groundup.models.GPT", hint=_KV_BUILD_HINT),
-                     Forbidden(TransformerBlock, "__init__", label="groundup.layers.TransformerBlock",
-                               hint=_KV_BUILD_HINT),
-                     Forbidden(MultiHeadAttention, "__init__", label="groundup.attention.MultiHeadAttention",
-                               hint=_KV_BUILD_HINT)))
+        expected = [_kv_bytes(config, n, batch, b) for _, config, n, batch, b in cases]  # before any tripwire
+        built = [Forbidden(cls, "__init__", label=label) for cls, label in (
+            (GPT, "groundup.models.GPT"), (TransformerBlock, "groundup.layers.TransformerBlock"),
+            (MultiHeadAttention, "groundup.attention.MultiHeadAttention"))]
+        shortcuts = _shortcuts((), *[(item, item.label, _KV_BUILD_HINT) for item in built])
         for (what, config, n, batch, b), want in zip(cases, expected):
             call = f"kv_cache_memory_gqa({what}, n_tokens={n}, batch_size={batch}, bytes_per_number={b})"
             got = expect_number(_call_with_hint(fn, call, (config, n, batch, b),
-                                                ("config", "n_tokens", "batch_size", "bytes_per_number"), forbid,
+                                                ("config", "n_tokens", "batch_size", "bytes_per_number"), shortcuts,
                                                 _KV_HINT),
                                 call, "Return the number of bytes as an int.")
             # every digit (1.88744e+09 would hide them); inf and nan as they are

@@ -15,7 +15,9 @@ The book promises that the verdict is right, so a checker should:
    put back, tripwires on the package's own solution named in ``forbid``), reports an argument the function
    changed in place, turns a crash of the reader's code into a :class:`ReaderError` (never mistaken for a crash
    of the checker), accepts only plain dense real tensors on the CPU (no subclass, no sparse, meta or complex
-   tensor) and checks the type of what came back;
+   tensor) and checks the type of what came back; an exercise that refuses a library's (or the book's) own
+   implementation calls through :func:`call_refusing` instead, which swaps the code of each function in its
+   :class:`Shortcuts` for a tripwire during the call, so a reference saved before the check is caught too;
 3. compare with :func:`expect_close`, whose tolerance widens to fit a float32 / float16 answer, and cast to one
    dtype before any comparison in hint code (``torch.allclose`` of a float32 and a float64 tensor raises).
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import linecache
 import math
 import numbers
@@ -37,16 +40,19 @@ import random
 import re
 import sys
 import textwrap
+import types
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 
 from groundup.exercises import sandbox
 from groundup.exercises.sandbox import CheckerTimeout, Forbidden
 
-__all__ = ["DEFAULT_TIMEOUT", "MESSAGE_WIDTH", "CheckerTimeout", "Forbidden", "Mismatch", "ReaderError", "Verdict",
-           "call_reader", "expect", "expect_close", "expect_integer", "expect_number", "expect_tensor",
-           "expect_type", "run_checks", "tolerance_for"]
+__all__ = ["DEFAULT_TIMEOUT", "MESSAGE_WIDTH", "CheckerTimeout", "Forbidden", "Mismatch", "ReaderError", "Shortcuts",
+           "Verdict", "call_reader", "call_refusing", "collect_shortcuts", "expect", "expect_close", "expect_integer",
+           "expect_number", "expect_tensor", "expect_type", "function_code", "module_functions", "package_functions",
+           "run_checks", "tolerance_for"]
 
 DEFAULT_TIMEOUT = float(os.environ.get("GROUNDUP_CHECK_TIMEOUT", "10"))
 """Seconds the reader's code may run in one check before it is declared stuck (``$GROUNDUP_CHECK_TIMEOUT``)."""
@@ -352,6 +358,97 @@ def call_reader(fn: Callable, *args, call: str | None = None, names: tuple[str, 
     if returns is not None:
         expect_type(got, returns, call, expected)
     return got
+
+
+# ---- refusing shortcuts ----------------------------------------------------------------------------------------
+#
+# An exercise that asks for arithmetic a library (or the book's own code, or the checker's reference) already does
+# refuses those calls while the reader's function runs, through the tripwires of ``call_reader(forbid=...)``: the
+# *code* of each plain Python function is swapped for a tripwire (``sandbox``), so every reference to it is caught:
+# an alias taken before the check (``from torch.nn.utils import clip_grad_norm_ as c``), a method saved from its
+# class (``f = MinPLogitsWarper.__call__``), a bound method or an instance built before the check. The function
+# under a decorator's ``functools.wraps`` chain is the one swapped (:func:`function_code`). A call is recorded even
+# if the reader's code catches the exception. The checker computes its expected values before, with none of this
+# in place, and the tripwires are gone again when the reader's function returns.
+
+
+class Shortcuts(NamedTuple):
+    """What :func:`call_refusing` refuses (``forbid``, for :func:`call_reader`), the name to show for each
+    tripwire's label (``names``), the hint for a label of its own (``hints``) and for the others (``hint``); a hint
+    may name the function called with ``{name}``."""
+
+    forbid: tuple
+    names: dict[str, str]
+    hint: str
+    hints: dict[str, str]
+
+
+def function_code(fn) -> types.FunctionType | None:
+    """The plain function under ``fn``'s decorators (``functools.wraps`` chains: torch's ``no_grad``, the
+    optimizers' ``_use_grad_for_differentiable``, ``functools.cache``), whose code does the work; None when it is a
+    closure or not a Python function (its code cannot be swapped: refuse it with :class:`Forbidden`)."""
+    try:
+        inner = inspect.unwrap(fn)
+    except Exception:  # noqa: BLE001 -- a cycle of __wrapped__, or an object whose attributes raise
+        return None
+    return inner if isinstance(inner, types.FunctionType) and not inner.__code__.co_freevars else None
+
+
+def package_functions(*fns) -> list[tuple[types.FunctionType, str]]:
+    """(the plain function under it, its own label) for each of ``fns`` that has one: entries for
+    :func:`collect_shortcuts`."""
+    return [(inner, sandbox._label(inner)) for inner in map(function_code, fns) if inner is not None]
+
+
+def module_functions(module: types.ModuleType) -> list[tuple[types.FunctionType, str]]:
+    """(function, label) for every function ``module`` defines (under its decorators; not those it imports), read
+    when called, so that a function added later is included: entries for :func:`collect_shortcuts`."""
+    found = []
+    for value in list(vars(module).values()):
+        if not callable(value) or isinstance(value, type):
+            continue
+        inner = function_code(value)
+        if inner is not None and inner.__module__ == module.__name__:
+            found.append((inner, sandbox._label(inner)))
+    return found
+
+
+def collect_shortcuts(entries: Iterable, hint: str) -> Shortcuts:
+    """The :class:`Shortcuts` of ``entries``: (a plain function or a :class:`Forbidden`, the name to show) or
+    (..., the name to show, its hint); the others get ``hint``. A function (or attribute) met twice keeps its first
+    name and hint."""
+    forbid, names, hints, seen = [], {}, {}, set()
+    for item, shown, *own_hint in entries:
+        key = id(item) if not isinstance(item, Forbidden) else (id(item.owner), item.attribute)
+        if key in seen:
+            continue
+        seen.add(key)
+        forbid.append(item)
+        label = item.label if isinstance(item, Forbidden) else sandbox._label(item)
+        names.setdefault(label, shown)
+        if own_hint:
+            hints.setdefault(label, own_hint[0])
+    return Shortcuts(tuple(forbid), names, hint, hints)
+
+
+def call_refusing(fn: Callable, *args, call: str, names: tuple[str, ...], shortcuts: Shortcuts,
+                  crash_hint: str = ""):
+    """``call_reader(fn, *args)`` with ``shortcuts`` refused: a call of one is a :class:`Mismatch` that names the
+    function called (as ``shortcuts.names`` shows it) with its hint. With ``crash_hint``, a crash of the reader's
+    function is reported with that hint."""
+    try:
+        return call_reader(fn, *args, call=call, names=names, forbid=shortcuts.forbid)
+    except Mismatch as refused:
+        prefix = f"{call} calls "
+        if not refused.what.startswith(prefix):
+            raise
+        label = refused.what[len(prefix):]
+        name = shortcuts.names.get(label, label)
+        raise Mismatch(prefix + name, shortcuts.hints.get(label, shortcuts.hint).format(name=name)) from None
+    except ReaderError as err:
+        if not crash_hint:
+            raise
+        raise ReaderError(err.call, err.error, crash_hint) from None
 
 
 # ---- global state ----------------------------------------------------------------------------------------------
