@@ -1,5 +1,5 @@
-"""Checkers for chapter 7 (training): the warm-up + cosine schedule, gradient clipping, one AdamW step, gradient
-accumulation.
+"""Checkers for chapter 7 (training): the warm-up + cosine schedule, gradient clipping, one step of Adam with L2
+regularisation, gradient accumulation.
 
 Every checker computes the expected values before it calls the reader's function, hands the function copies of
 its inputs (and says so if the function changed them in place), and checks the type of what comes back. The
@@ -9,10 +9,13 @@ optimizers) or to the book's training code, however the function is reached.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import math
 import re
 import sys
 import types
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -39,7 +42,7 @@ from groundup.exercises.checking import (
 from groundup.models import GPT, GPTConfig
 from groundup.training import TrainConfig, _split_step, lr_at, train
 
-__all__ = ["check_lr_schedule", "check_clip_gradients", "check_adamw_step", "check_accumulated_gradients"]
+__all__ = ["check_lr_schedule", "check_clip_gradients", "check_adam_l2_step", "check_accumulated_gradients"]
 
 
 def _float(value, call: str) -> float:
@@ -116,9 +119,15 @@ def check_lr_schedule(fn: Callable) -> Verdict:
 # groundup.exercises.checking): the *code* of each plain Python function is swapped (so an alias taken before the
 # check, `from torch.nn.utils import clip_grad_norm_ as c`, is caught too), the optimizer classes' ``__init__`` and
 # ``step`` are swapped on the class (an optimizer built inside the function, or one built before and stepped), and
-# a dispatch mode sees the fused kernels however they are reached (``torch._fused_adamw_``,
-# ``torch.ops.aten._fused_adamw_``, an alias). The checker's own reference values are computed before, with none of
+# a dispatch mode sees the fused kernels however they are reached (``torch._fused_adam_``,
+# ``torch.ops.aten._fused_adam_``, an alias). The checker's own reference values are computed before, with none of
 # this in place.
+#
+# TorchScript needs care: ``torch.distributed.optim`` compiles its functional optimizers (``_FunctionalAdam``, ...)
+# with ``torch.jit.script`` when it is imported, and compiling a function whose code is a tripwire fails with a
+# NotSupportedError that names nothing. So the checker imports that module first, with no tripwire in place, and
+# then refuses those classes by name; and it refuses ``torch.jit.script`` itself, which would otherwise compile the
+# reader's code into a graph that calls an optimizer compiled before the check, out of the tripwires' sight.
 
 
 _CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_norm", "clip_grads_with_norm_", "get_total_norm",
@@ -141,10 +150,26 @@ def _clip_shortcuts() -> Shortcuts:
     return collect_shortcuts(entries, _CLIP_HINT)
 
 
-_ADAMW_HINT = ("Exercise 7.3 asks you to write the AdamW arithmetic yourself, and {name} does the update for you, "
-               "so the answer cannot use it. Update m and v from the gradient, correct their bias, and compute the "
-               "new parameter with torch operations on the tensors you are given.")
+_OPTIMIZER_HINT = ("Exercise 7.3 asks you to write the arithmetic of Adam with L2 regularisation yourself, and "
+                   "{name} does the update for you, so the answer cannot use it. Add λ param to the gradient, update "
+                   "m and v with the result, correct their bias, and compute the new parameter with torch operations "
+                   "on the tensors you are given.")
+_SCRIPT_HINT = ("Exercise 7.3 asks for plain torch operations, run as Python: {name} compiles code with TorchScript, "
+                "which could run one of PyTorch's compiled optimizers out of the checker's sight, so the answer "
+                "cannot use it. Write the update with torch operations on the tensors you are given.")
 _FUSED_KERNEL = re.compile(r"_fused_(adam|adamw|sgd|adagrad)_?")
+_SCRIPTED_OPTIMIZERS = "torch.distributed.optim"  # compiles its _Functional* optimizers with TorchScript on import
+
+
+def _import_scripted_optimizers() -> None:
+    """Import ``torch.distributed.optim`` (when this torch has it) while no tripwire is set, so that its
+    TorchScript classes are compiled from PyTorch's own code, never from a tripwire (see the comment above)."""
+    if _SCRIPTED_OPTIMIZERS in sys.modules:
+        return
+    with warnings.catch_warnings(), contextlib.suppress(Exception):
+        warnings.simplefilter("ignore")  # torch.jit.script is deprecated, and says so once per class compiled
+        if torch.distributed.is_available():
+            importlib.import_module(_SCRIPTED_OPTIMIZERS)
 
 
 def _optimizer_classes() -> list[type]:
@@ -163,11 +188,24 @@ def _class_name(cls: type) -> str:
     return f"torch.optim.{cls.__name__}" if public else f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _functional_optimizer_classes() -> list[type]:
+    """The functional optimizers of ``torch.distributed.optim`` (``_FunctionalAdam``, ``_FunctionalAdamW``, ...),
+    which are no subclasses of torch.optim.Optimizer: those of the modules imported so far."""
+    found = []
+    for module_name, module in sorted(dict(sys.modules).items()):  # a copy: another thread may import
+        if module is None or not module_name.startswith(_SCRIPTED_OPTIMIZERS + ".functional_"):
+            continue
+        found += [cls for name, cls in sorted(vars(module).items())
+                  if isinstance(cls, type) and name.startswith("_Functional") and cls.__module__ == module_name]
+    return found
+
+
 def _optimizer_shortcuts() -> Shortcuts:
     """Every optimizer of torch (and the book's MuonAdamW): building one, its ``step`` (on the class, and the code
-    under its decorators), the functional forms (``torch.optim._functional``, ``torch.optim.adamw.adamw``,
-    ``_single_tensor_adam``, ``_multi_tensor_adam``, ``_fused_adam`` ...), and the book's code that builds or steps
-    one. Computed when a check starts: PyTorch hooks ``step`` onto a class the first time it is built."""
+    under its decorators), the functional forms (``torch.optim._functional``, ``torch.optim.adam.adam``,
+    ``_single_tensor_adam``, ``_multi_tensor_adam``, ``_fused_adam`` ...), the TorchScript functional optimizers
+    of ``torch.distributed.optim`` (``_FunctionalAdam`` ...), ``torch.jit.script``, and the book's code that builds
+    or steps one. Computed when a check starts: PyTorch hooks ``step`` onto a class the first time it is built."""
     entries = []
     for cls in _optimizer_classes():
         name = _class_name(cls)
@@ -179,6 +217,13 @@ def _optimizer_shortcuts() -> Shortcuts:
             inner = function_code(vars(cls)["step"])
             if inner is not None:
                 entries.append((inner, f"{_class_name(_owner(inner, cls))}.step"))
+    for cls in _functional_optimizer_classes():
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        entries.append((Forbidden(cls, "__init__", label=name), name))
+        for method in ("step", "step_param"):
+            inner = function_code(vars(cls).get(method))
+            if inner is not None:
+                entries.append((inner, f"{name}.{method}"))
     functional = vars(sys.modules.get("torch.optim._functional") or types.ModuleType("none"))
     public = {n for n, f in functional.items() if isinstance(f, types.FunctionType) and not n.startswith("_")}
     for module_name, module in sorted(dict(sys.modules).items()):  # a copy: another thread may import
@@ -190,8 +235,11 @@ def _optimizer_shortcuts() -> Shortcuts:
                 inner = function_code(fn)
                 if inner is not None:
                     entries.append((inner, sandbox._label(inner)))
+    script = function_code(torch.jit.script)
+    if script is not None:
+        entries.append((script, "torch.jit.script", _SCRIPT_HINT))
     entries += package_functions(training._make_optimizer, training._update, training.train, training._split_step)
-    return collect_shortcuts(entries, _ADAMW_HINT)
+    return collect_shortcuts(entries, _OPTIMIZER_HINT)
 
 
 def _owner(fn: types.FunctionType, cls: type) -> type:
@@ -204,7 +252,7 @@ def _owner(fn: types.FunctionType, cls: type) -> type:
 
 class _FusedKernelWatch(TorchDispatchMode):
     """Sees every operator the reader's code runs, however it was reached, and refuses the optimizers' fused
-    kernels (``torch._fused_adamw_`` and its kin), which are builtins: no code to swap, and an alias of one taken
+    kernels (``torch._fused_adam_`` and its kin), which are builtins: no code to swap, and an alias of one taken
     before the check is not an attribute the tripwires could replace."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -218,28 +266,39 @@ def _watched(fn: Callable) -> Callable:
     """``fn`` run under :class:`_FusedKernelWatch` (a dispatch mode is per thread: entered in the reader's
     worker)."""
 
-    def my_adamw_step(*args):
+    def my_adam_l2_step(*args):
         with _FusedKernelWatch():
             return fn(*args)
 
-    return my_adamw_step
+    return my_adam_l2_step
 
 
 # ---- Exercise 7.2 ------------------------------------------------------------------------------------------
+
+# (max_norm, the gradients' total norm): clipped and not, at three thresholds. At 2.5 and 0.3 an answer that
+# uses a threshold of 1 instead of max_norm clips what it must not clip, and leaves what it must clip.
+_CLIP_CASES = ((1.0, 3.0), (1.0, 0.02), (2.5, 1.8), (0.3, 0.7))
 
 
 def _clip_cases() -> list[tuple[list[torch.Tensor], float, list[torch.Tensor], float]]:
     """(gradients, max_norm, the clipped gradients, the total norm) by torch.nn.utils.clip_grad_norm_."""
     g = torch.Generator().manual_seed(7)
     cases = []
-    for grads, max_norm in [([torch.randn(4, 3, generator=g) * 2, torch.randn(5, generator=g)], 1.0),  # clipped
-                            ([torch.randn(4, 3, generator=g) * 0.01, torch.randn(5, generator=g) * 0.01], 1.0)]:
+    for max_norm, norm in _CLIP_CASES:
+        grads = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g)]
+        scale = norm / torch.sqrt(sum((t**2).sum() for t in grads)).item()
+        grads = [t * scale for t in grads]
         params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
         for p, t in zip(params, grads):
             p.grad = t.clone()
         total = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
         cases.append((grads, max_norm, [p.grad.detach().clone() for p in params], total))
     return cases
+
+
+def _same_tensors(got, want, atol: float = 1e-7) -> bool:
+    return all(a.shape == b.shape and torch.allclose(a.to(b.dtype), b, rtol=1e-5, atol=atol)
+               for a, b in zip(got, want))
 
 
 def check_clip_gradients(fn: Callable) -> Verdict:
@@ -264,60 +323,129 @@ def check_clip_gradients(fn: Callable) -> Verdict:
                          "measured before clipping.", rtol=1e-5)
             hint = "Scale every gradient by the same factor min(1, max_norm / total_norm)."
             per_tensor = [t * min(1.0, max_norm / (t.norm().item() + 1e-6)) for t in grads]
-            if total < max_norm and not all(a.shape == b.shape and torch.allclose(a.to(b.dtype), b)
-                                            for a, b in zip(clipped, grads)):
+            threshold_one = [t * min(1.0, 1.0 / (total + 1e-6)) for t in grads]
+            if max_norm != 1.0 and _same_tensors(clipped, threshold_one):
+                hint = (f"Use the max_norm you are given: this call's is {max_norm}, and the gradients came back "
+                        "clipped as if it were 1.")
+            elif total < max_norm and not _same_tensors(clipped, grads, atol=1e-8):
                 hint = "Below max_norm the gradients must stay as they are: the factor is min(1, ...), never above 1."
-            elif all(a.shape == b.shape and torch.allclose(a.to(b.dtype), b, atol=1e-6)
-                     for a, b in zip(clipped, per_tensor)):
+            elif _same_tensors(clipped, per_tensor, atol=1e-6):
                 hint = "You clipped each tensor on its own; clip by the norm of all of them together (one factor)."
             for i, (a, b) in enumerate(zip(clipped, expected)):
                 expect_close(a, b, f"{call}: clipped[{i}]", hint, rtol=1e-5, atol=1e-7)
 
     return run_checks("Exercise 7.2 (gradient clipping)", checks,
-                      "It matches torch.nn.utils.clip_grad_norm_, above and below the threshold.")
+                      "It matches torch.nn.utils.clip_grad_norm_ at three thresholds, above and below them.")
 
 
 # ---- Exercise 7.3 ------------------------------------------------------------------------------------------
+#
+# Adam with L2 regularisation, torch.optim.Adam(weight_decay=λ): the decay is added to the gradient before the
+# moments, g' = g + λ θ, so it is averaged and divided by √v̂ like the rest (AdamW, the chapter's (7.5), keeps it
+# outside). Two sets of hyperparameters, three steps each from m = v = 0, so that an argument left out or fixed
+# to a number fails; a diagnostic step (t = 3 from a state of its own, a large ε) tells the typical mistakes apart.
 
-_ADAM = dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+_ADAM_SETS = (dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1),
+              dict(lr=0.03, beta1=0.8, beta2=0.95, eps=1e-3, weight_decay=0.3))
+_ADAM_SHAPES = ((6, 4), (3, 5))
+_ADAM_STEPS = 3
+_HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+# The diagnostic: at t = 3, from nonzero m and v, with an ε large enough that where it sits changes every digit.
+_DIAGNOSTIC = dict(t=3, lr=0.05, beta1=0.8, beta2=0.95, eps=0.05, weight_decay=0.3)
 
 
-def _adamw_reference() -> tuple[torch.Tensor, list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
-    """(the start, three gradients, (param, m, v) after each step of torch.optim.AdamW), in float64."""
+def _adam_l2_reference() -> list[tuple[dict, torch.Tensor, list[torch.Tensor], list[tuple[torch.Tensor, ...]]]]:
+    """For each hyperparameter set: (the set, the start, three gradients, (param, m, v) after each step of
+    torch.optim.Adam with that weight_decay), in float64."""
     g = torch.Generator().manual_seed(3)
-    start = torch.randn(6, 4, generator=g, dtype=torch.float64)
-    grads = [torch.randn(6, 4, generator=g, dtype=torch.float64) for _ in range(3)]
-    p = torch.nn.Parameter(start.clone())
-    a = _ADAM
-    torch_opt = torch.optim.AdamW([p], lr=a["lr"], betas=(a["beta1"], a["beta2"]), eps=a["eps"],
-                                  weight_decay=a["weight_decay"])
-    expected = []
-    for grad in grads:
-        p.grad = grad.clone()
-        torch_opt.step()
-        state = torch_opt.state[p]
-        expected.append((p.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone()))
-    return start, grads, expected
+    cases = []
+    for h, shape in zip(_ADAM_SETS, _ADAM_SHAPES):
+        start = torch.randn(*shape, generator=g, dtype=torch.float64)
+        grads = [torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(_ADAM_STEPS)]
+        p = torch.nn.Parameter(start.clone())
+        opt = torch.optim.Adam([p], lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"],
+                               weight_decay=h["weight_decay"], foreach=False)
+        expected = []
+        for grad in grads:
+            p.grad = grad.clone()
+            opt.step()
+            state = opt.state[p]
+            expected.append((p.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone()))
+        cases.append((h, start, grads, expected))
+    return cases
 
 
-def _adamw_hint(param, grad, m, t: int, new_param: torch.Tensor) -> str:
-    """The hint for a wrong new parameter at step ``t`` (from ``param``, ``grad``, ``m``): a named mistake when the
-    answer is one of them."""
-    a = _ADAM
-    if t == 1:
-        grad_l2 = grad + a["weight_decay"] * param  # Adam with L2 in the gradient: the coupled version
-        m2 = a["beta1"] * m + (1 - a["beta1"]) * grad_l2
-        v2 = (1 - a["beta2"]) * grad_l2**2
-        coupled = param - a["lr"] * (m2 / (1 - a["beta1"])) / ((v2 / (1 - a["beta2"])).sqrt() + a["eps"])
-        if torch.allclose(new_param, coupled, atol=1e-9):
-            return ("That is Adam with L2 regularisation (λ param added to the gradient). AdamW decouples it: "
-                    "param ← param − lr (m̂ / (√v̂ + ε) + λ param), with m and v from g alone.")
-        no_correction = param * (1 - a["lr"] * a["weight_decay"]) - a["lr"] * (
-            (1 - a["beta1"]) * grad) / (((1 - a["beta2"]) * grad**2).sqrt() + a["eps"])
-        if torch.allclose(new_param, no_correction, atol=1e-9):
-            return "Divide m by (1 − β1ᵗ) and v by (1 − β2ᵗ) (the bias correction): both start at 0."
-    return ("m ← β1 m + (1 − β1) g; v ← β2 v + (1 − β2) g²; m̂ = m / (1 − β1ᵗ); v̂ = v / (1 − β2ᵗ); "
-            "param ← param − lr (m̂ / (√v̂ + ε) + λ param), with the decay on the old param.")
+def _adam_variant(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay, *, decay="gradient",
+                  v_from_decayed=True, corrected=True, eps_at="outside", hats=(False, False)):
+    """One step of Adam with L2 regularisation as the exercise asks (the defaults) or with one typical mistake:
+    ``decay`` "decoupled" (AdamW) or "after moments" (λ θ added to m̂); v from g, not g'; no bias correction; ε
+    "inside" the square root, "before correction" ((√v + ε) / √(1 − β2ᵗ)), "inside before correction" or "none";
+    m̂ and / or v̂ returned instead of m and v."""
+    g = grad + weight_decay * param if decay == "gradient" else grad
+    new_m = beta1 * m + (1 - beta1) * g
+    new_v = beta2 * v + (1 - beta2) * (g if v_from_decayed else grad) ** 2
+    c1, c2 = (1 - beta1**t, 1 - beta2**t) if corrected else (1.0, 1.0)
+    m_hat, v_hat = new_m / c1, new_v / c2
+    denominator = {"outside": lambda: v_hat.sqrt() + eps, "inside": lambda: (v_hat + eps).sqrt(),
+                   "before correction": lambda: (new_v.sqrt() + eps) / math.sqrt(c2),
+                   "inside before correction": lambda: (new_v + eps).sqrt() / math.sqrt(c2),
+                   "none": lambda: v_hat.sqrt()}[eps_at]()
+    if decay == "after moments":
+        update = (m_hat + weight_decay * param) / denominator
+    else:
+        update = m_hat / denominator + (weight_decay * param if decay == "decoupled" else 0.0)
+    return param - lr * update, m_hat if hats[0] else new_m, v_hat if hats[1] else new_v
+
+
+_EPS_HINT = ("Everything else is right; only ε is in the wrong place. Add it to √v̂, outside the square root and "
+             "after the bias correction: m̂ / (√v̂ + ε).")
+_HATS_HINT = ("Return m and v themselves, not the bias-corrected m̂ and v̂: the next step starts from m and v, and "
+              "corrects them again with its own t.")
+_ADAM_MISTAKES = (
+    (dict(decay="decoupled"), "That is AdamW: here the decay goes into the gradient. Use g' = g + λ param, update m "
+                              "and v with g', and leave λ param out of the update itself."),
+    (dict(decay="after moments"), "The decay goes into the gradient before the moments, not after them: g' = g + λ "
+                                  "param, and both m and v are updated with g'."),
+    (dict(v_from_decayed=False), "Update v with g'² too, g' = g + λ param: the decayed gradient feeds both m and v."),
+    (dict(corrected=False), "Divide m by (1 − β1ᵗ) and v by (1 − β2ᵗ) before the update (the bias correction): both "
+                            "started at 0, so early on they are too small."),
+    (dict(eps_at="inside"), _EPS_HINT),
+    (dict(eps_at="before correction"), _EPS_HINT),
+    (dict(eps_at="inside before correction"), _EPS_HINT),
+    (dict(eps_at="none"), _EPS_HINT),
+    (dict(hats=(True, False)), _HATS_HINT),
+    (dict(hats=(False, True)), _HATS_HINT),
+    (dict(hats=(True, True)), _HATS_HINT),
+)
+_ADAM_GENERIC_HINT = ("With g' = g + λ param: m ← β1 m + (1 − β1) g'; v ← β2 v + (1 − β2) g'²; m̂ = m / (1 − β1ᵗ); "
+                      "v̂ = v / (1 − β2ᵗ); param ← param − lr m̂ / (√v̂ + ε). Return the new param, m and v.")
+
+
+def _adam_diagnostic() -> tuple[tuple, list[tuple[tuple[torch.Tensor, ...], str]]]:
+    """(the arguments of the diagnostic step, [(what one typical mistake returns for them, its hint), ...])."""
+    g = torch.Generator().manual_seed(11)
+    param, grad, m = (torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    v = torch.rand(4, 3, generator=g, dtype=torch.float64) + 0.1
+    d = _DIAGNOSTIC
+    args = (param, grad, m, v, d["t"], *(d[k] for k in _HYPERPARAMETERS))
+    return args, [(_adam_variant(*args, **mistake), hint) for mistake, hint in _ADAM_MISTAKES]
+
+
+def _adam_hint(fn: Callable, shortcuts: Shortcuts, diagnostic: tuple) -> str:
+    """The hint for a wrong answer: the reader's function is run on the diagnostic step, and a typical mistake
+    it matches there (parameter, m and v) is named; otherwise the update is spelled out."""
+    args, mistakes = diagnostic
+    try:
+        out = call_refusing(fn, *args, call="my_adam_l2_step (diagnostic step)", shortcuts=shortcuts,
+                            names=("param", "grad", "m", "v"))
+    except Exception:  # noqa: BLE001 -- hint search only; the main check has reported the mismatch
+        return _ADAM_GENERIC_HINT
+    if isinstance(out, tuple) and len(out) == 3 and all(isinstance(x, torch.Tensor) for x in out):
+        for wrong, hint in mistakes:
+            if all(x.shape == w.shape and torch.allclose(x.to(w.dtype), w, rtol=1e-9, atol=1e-12)
+                   for x, w in zip(out, wrong)):
+                return hint
+    return _ADAM_GENERIC_HINT
 
 
 def _expect_plain(x: torch.Tensor, like: torch.Tensor, what: str) -> None:
@@ -331,41 +459,41 @@ def _expect_plain(x: torch.Tensor, like: torch.Tensor, what: str) -> None:
            "Every update is elementwise: the new param, m and v have the shape of param.")
 
 
-def check_adamw_step(fn: Callable) -> Verdict:
-    """Exercise 7.3: ``fn(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay) -> (param, m, v)``, without an
-    optimizer of torch (built, stepped or in its functional form) or the book's training code."""
+def check_adam_l2_step(fn: Callable) -> Verdict:
+    """Exercise 7.3: ``fn(param, grad, m, v, t, lr, beta1, beta2, eps, weight_decay) -> (param, m, v)``, one step
+    of Adam with L2 regularisation (the decay added to the gradient, as ``torch.optim.Adam(weight_decay=λ)``),
+    without an optimizer of torch (built, stepped, in its functional or TorchScript form) or the book's training
+    code."""
 
-    # The expected values come first, outside the time bound (the first optimizer step imports a lot of PyTorch).
-    start, grads, expected = _adamw_reference()
-    a = _ADAM
+    # The expected values come first, outside the time bound (the first optimizer step imports a lot of PyTorch,
+    # and torch.distributed.optim compiles its optimizers with TorchScript).
+    cases = _adam_l2_reference()
+    diagnostic = _adam_diagnostic()
+    _import_scripted_optimizers()
 
     def checks():
         shortcuts = _optimizer_shortcuts()
-        param, m, v = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
-        for t, grad in enumerate(grads, start=1):
-            call = f"my_adamw_step(param, grad, m, v, t={t}, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)"
-            out = call_refusing(_watched(fn), param, grad, m, v, t, a["lr"], a["beta1"], a["beta2"], a["eps"],
-                        a["weight_decay"], call=call, names=("param", "grad", "m", "v"), shortcuts=shortcuts)
-            expect(isinstance(out, tuple) and len(out) == 3, f"{call} returned a {type(out).__name__}",
-                   "Return a triple (new param, new m, new v).")
-            new = [expect_tensor(x, f"{call}: element {i}") for i, x in enumerate(out)]
-            for x, name in zip(new, ("param", "m", "v")):
-                _expect_plain(x, start, f"{call}: the new {name}")
-            new_param, new_m, new_v = new
-            want_param, want_m, want_v = expected[t - 1]
-            expect_close(new_param, want_param, f"step {t}: the parameter after {call}",
-                         _adamw_hint(param, grad, m, t, new_param), rtol=1e-9, atol=1e-12)
-            for got, want, name, beta in ((new_m, want_m, "m", a["beta1"]), (new_v, want_v, "v", a["beta2"])):
-                hint = (f"Return the new {name} itself, β{1 if name == 'm' else 2} {name} + (1 − "
-                        f"β{1 if name == 'm' else 2}) {'g' if name == 'm' else 'g²'}.")
-                if torch.allclose(got, want / (1 - beta**t), rtol=1e-9, atol=1e-12):
-                    hint = (f"Return {name} itself, not the bias-corrected {name}̂ = {name} / (1 − β^t): the next "
-                            f"step starts from {name}.")
-                expect_close(got, want, f"step {t}: the new {name} returned by {call}", hint, rtol=1e-9, atol=1e-12)
-            param, m, v = new_param, new_m, new_v
+        for h, start, grads, expected in cases:
+            shown = ", ".join(f"{k}={h[k]:g}" for k in _HYPERPARAMETERS)
+            param, m, v = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
+            for t, grad in enumerate(grads, start=1):
+                call = f"my_adam_l2_step(param, grad, m, v, t={t}, {shown})"
+                out = call_refusing(_watched(fn), param, grad, m, v, t, *(h[k] for k in _HYPERPARAMETERS),
+                                    call=call, names=("param", "grad", "m", "v"), shortcuts=shortcuts)
+                expect(isinstance(out, tuple) and len(out) == 3, f"{call} returned a {type(out).__name__}",
+                       "Return a triple (new param, new m, new v).")
+                new = [expect_tensor(x, f"{call}: element {i}") for i, x in enumerate(out)]
+                for x, name in zip(new, ("param", "m", "v")):
+                    _expect_plain(x, start, f"{call}: the new {name}")
+                for got, want, name in zip(new, expected[t - 1], ("parameter", "m", "v")):
+                    if not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
+                        expect_close(got, want, f"step {t}: the new {name} returned by {call}",
+                                     _adam_hint(_watched(fn), shortcuts, diagnostic), rtol=1e-9, atol=1e-12)
+                param, m, v = new
 
-    return run_checks("Exercise 7.3 (one AdamW step)", checks,
-                      "Three steps match torch.optim.AdamW (parameter, m and v) to float64 precision.")
+    return run_checks("Exercise 7.3 (one step of Adam with L2 regularisation)", checks,
+                      "Three steps match torch.optim.Adam with weight_decay (parameter, m and v) to float64 "
+                      "precision, for two sets of hyperparameters.")
 
 
 # ---- Exercise 7.7 ------------------------------------------------------------------------------------------
