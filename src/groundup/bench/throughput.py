@@ -214,8 +214,10 @@ def _fresh_compiler_cache():
             try:
                 yield
             finally:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR") if before is None else \
-                    os.environ.__setitem__("TORCHINDUCTOR_CACHE_DIR", before)
+                if before is None:
+                    del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+                else:
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
         else:
             with temporary_cache_dir(folder):
                 yield
