@@ -103,7 +103,10 @@ def test_exercises_are_numbered_boxes_and_solutions_closed_dropdowns_linked_to_t
     page = BeautifulSoup((html_root / "notebooks" / f"{nb.stem}.html").read_text(encoding="utf-8"), "html.parser")
     article = page.select_one("article")
     boxes = article.select("div.exercise.admonition")
-    assert len(boxes) == len(headings) >= 4, f"{len(boxes)} exercise boxes for {len(headings)} exercise headings"
+    # a chapter's second notebook (07_training_further) counts with its chapter: at least four exercises in all
+    in_chapter = sum(len(notebook_exercises(p)[0]) for p in NOTEBOOKS if p.name[:2] == nb.name[:2])
+    assert len(boxes) == len(headings) >= 1 and in_chapter >= 4, \
+        f"{len(boxes)} exercise boxes for {len(headings)} exercise headings ({in_chapter} in the chapter)"
     for box, heading in zip(boxes, headings):
         chapter, k = heading.group(2), heading.group(3)
         assert chapter == str(int(nb.name[:2])), f"{heading.group(1)!r} is in chapter {nb.name[:2]}"
