@@ -19,6 +19,7 @@ exactly 0); they never modify their input.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 
@@ -176,6 +177,19 @@ def _takes_last_only(model: nn.Module) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _generating(model: nn.Module):
+    """Run ``model`` for generation: eval mode (no dropout), no gradients, W_Q, W_K, W_V stacked once for the
+    whole loop instead of per token; its training flag is restored at the end, also after an error."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), reusing_stacked_weights():
+            yield
+    finally:
+        model.train(was_training)
+
+
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
              generator: torch.Generator | None = None, greedy: bool = False) -> torch.Tensor:
@@ -215,22 +229,17 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, temper
     device = next(model.parameters()).device
     out = idx.to(device=device, dtype=torch.long)
     last = {"last_only": True} if _takes_last_only(model) else {}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), reusing_stacked_weights():  # W_Q, W_K, W_V stacked once, not per token
-            cache = model.new_cache() if use_cache else None
-            for _ in range(max_new_tokens):
-                if cache is not None and out.shape[1] <= context_length:
-                    cached = len(cache[0])
-                    logits, _ = model(out[:, cached:], cache=cache, **last)  # the whole prompt once, then one token
-                else:  # no cache, or the sequence outgrew the context: run the last context_length tokens
-                    logits, _ = model(out[:, -context_length:], **last)
-                new = _next_token(logits[:, -1, :], temperature=temperature, top_k=top_k, top_p=top_p,
-                                  greedy=greedy, generator=generator)
-                out = torch.cat([out, new.to(torch.long)], dim=1)
-    finally:
-        model.train(was_training)
+    with _generating(model):  # W_Q, W_K, W_V stacked once, not per token
+        cache = model.new_cache() if use_cache else None
+        for _ in range(max_new_tokens):
+            if cache is not None and out.shape[1] <= context_length:
+                cached = len(cache[0])
+                logits, _ = model(out[:, cached:], cache=cache, **last)  # the whole prompt once, then one token
+            else:  # no cache, or the sequence outgrew the context: run the last context_length tokens
+                logits, _ = model(out[:, -context_length:], **last)
+            new = _next_token(logits[:, -1, :], temperature=temperature, top_k=top_k, top_p=top_p,
+                              greedy=greedy, generator=generator)
+            out = torch.cat([out, new.to(torch.long)], dim=1)
     return out
 
 
@@ -316,27 +325,22 @@ def generate_batch(model: nn.Module, prompts, max_new_tokens: int, *, stop_id: i
     out, mask = out.to(device), mask.to(device)
     stopped = torch.zeros(len(ids), dtype=torch.bool, device=device)
     last = {"last_only": True} if _takes_last_only(model) else {}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), reusing_stacked_weights():
-            cache = model.new_cache() if use_cache else None
-            for _ in range(max_new_tokens):
-                if cache is not None and out.shape[1] <= context_length:
-                    logits, _ = model(out[:, len(cache[0]):], attention_mask=mask, cache=cache, **last)
-                else:  # no cache, or past the context: the last context_length columns and their mask
-                    logits, _ = model(out[:, -context_length:], attention_mask=mask[:, -context_length:], **last)
-                new = _next_token(logits[:, -1, :], temperature=temperature, top_k=top_k, top_p=top_p,
-                                  greedy=greedy, generator=generator)[:, 0].to(torch.long)
-                new = new.masked_fill(stopped, pad_id)  # a stopped row gets padding
-                out = torch.cat([out, new[:, None]], dim=1)
-                mask = torch.cat([mask, ~stopped[:, None]], dim=1)
-                if stop_id is not None:
-                    stopped = stopped | (new == stop_id)
-                    if bool(stopped.all()):
-                        break
-    finally:
-        model.train(was_training)
+    with _generating(model):
+        cache = model.new_cache() if use_cache else None
+        for _ in range(max_new_tokens):
+            if cache is not None and out.shape[1] <= context_length:
+                logits, _ = model(out[:, len(cache[0]):], attention_mask=mask, cache=cache, **last)
+            else:  # no cache, or past the context: the last context_length columns and their mask
+                logits, _ = model(out[:, -context_length:], attention_mask=mask[:, -context_length:], **last)
+            new = _next_token(logits[:, -1, :], temperature=temperature, top_k=top_k, top_p=top_p,
+                              greedy=greedy, generator=generator)[:, 0].to(torch.long)
+            new = new.masked_fill(stopped, pad_id)  # a stopped row gets padding
+            out = torch.cat([out, new[:, None]], dim=1)
+            mask = torch.cat([mask, ~stopped[:, None]], dim=1)
+            if stop_id is not None:
+                stopped = stopped | (new == stop_id)
+                if bool(stopped.all()):
+                    break
     result = []
     for row in out[:, width:].tolist():
         result.append(row[:row.index(stop_id) + 1] if stop_id in row else row)
@@ -453,28 +457,23 @@ def beam_search(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, bea
     lengths = torch.zeros(batch, k, dtype=torch.float64, device=device)
     finished = torch.zeros(batch, k, dtype=torch.bool, device=device)
     offsets = torch.arange(batch, device=device)[:, None] * k
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), reusing_stacked_weights():
-            cache = model.new_cache() if use_cache else None
-            for _ in range(max_new_tokens):
-                if cache is not None and out.shape[1] <= context_length:
-                    logits, _ = model(out[:, len(cache[0]):], cache=cache, **last)
-                else:  # no cache, or the sequence outgrew the context (the cache is invalid from now on)
-                    cache = None
-                    logits, _ = model(out[:, -context_length:], **last)
-                logp = torch.log_softmax(logits[:, -1, :].to(torch.float64), dim=-1).view(batch, k, -1)
-                beam, token, scores, lengths, finished = beam_step(
-                    logp, scores, lengths, finished, length_penalty=length_penalty, end_id=end_id, fill_id=end_id)
-                rows = (offsets + beam).flatten()
-                out = torch.cat([out[rows], token.reshape(-1, 1)], dim=1)
-                if cache is not None:
-                    for layer in cache:
-                        if layer.k is not None:
-                            layer.k, layer.v = layer.k[rows], layer.v[rows]
-    finally:
-        model.train(was_training)
+    with _generating(model):
+        cache = model.new_cache() if use_cache else None
+        for _ in range(max_new_tokens):
+            if cache is not None and out.shape[1] <= context_length:
+                logits, _ = model(out[:, len(cache[0]):], cache=cache, **last)
+            else:  # no cache, or the sequence outgrew the context (the cache is invalid from now on)
+                cache = None
+                logits, _ = model(out[:, -context_length:], **last)
+            logp = torch.log_softmax(logits[:, -1, :].to(torch.float64), dim=-1).view(batch, k, -1)
+            beam, token, scores, lengths, finished = beam_step(
+                logp, scores, lengths, finished, length_penalty=length_penalty, end_id=end_id, fill_id=end_id)
+            rows = (offsets + beam).flatten()
+            out = torch.cat([out[rows], token.reshape(-1, 1)], dim=1)
+            if cache is not None:
+                for layer in cache:
+                    if layer.k is not None:
+                        layer.k, layer.v = layer.k[rows], layer.v[rows]
     best = best_beam(scores, lengths, finished, length_penalty)
     chosen = out.view(batch, k, -1)[torch.arange(batch, device=device), best]
     if return_scores:
